@@ -1,0 +1,224 @@
+"""`cloudrl status / logs / stop / list`, and the log follower `submit --follow` shares.
+
+All through Ray's Jobs API Python client (`Dashboard.jobs`), never the `ray` CLI. The trainer prints
+one progress line per step (`step 3/40 | rollout/reward_mean=0.53 ... | 1.23 s/step`) and a block
+starting with `summary:` at the end; `status` shows the latest of those from the job's logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import time
+from typing import Any, Callable
+
+from .errors import CloudrlError
+from .ray_api import Dashboard
+
+STEP_RE = re.compile(r"^step \d+/\d+\b[^|]*\|")
+STATUS_POLL_S = 3.0
+# After Ray reports the job ended, give the log stream this long to deliver its last lines.
+END_GRACE_S = 10.0
+STOP_WAIT_S = 30.0
+
+Echo = Callable[[str], None]
+
+
+class Detached(Exception):
+    """Ctrl+C while following: the job keeps running."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading jobs
+# ----------------------------------------------------------------------------------------------
+
+
+def job_info(dash: Dashboard, job_id: str) -> Any:
+    return dash.call(lambda: dash.jobs.get_job_info(job_id), what=f"read job {job_id}", job_id=job_id)
+
+
+def job_logs(dash: Dashboard, job_id: str) -> str:
+    return dash.call(lambda: dash.jobs.get_job_logs(job_id), what=f"read the logs of {job_id}", job_id=job_id)
+
+
+def list_jobs(dash: Dashboard) -> list[Any]:
+    jobs = dash.call(lambda: dash.jobs.list_jobs(), what="list jobs")
+    return sorted(jobs, key=lambda j: j.start_time or 0)
+
+
+def job_name(info: Any) -> str:
+    """The id users type: the submission id (Ray's own job id only for drivers not submitted as jobs)."""
+    return info.submission_id or info.job_id or "?"
+
+
+def latest_job(dash: Dashboard) -> Any:
+    submitted = [j for j in list_jobs(dash) if j.submission_id]
+    if not submitted:
+        raise CloudrlError(f"no jobs on {dash.address.url} yet: submit one with `cloudrl submit`")
+    return submitted[-1]
+
+
+def latest_metrics(logs: str) -> tuple[str | None, list[str]]:
+    """The last step line and the final summary block (empty while the job runs) from the trainer's logs."""
+    lines = logs.splitlines()
+    step = next((ln.strip() for ln in reversed(lines) if STEP_RE.match(ln.strip())), None)
+    summary: list[str] = []
+    starts = [i for i, ln in enumerate(lines) if ln.strip().startswith("summary:")]
+    if starts:
+        for ln in lines[starts[-1]:]:
+            if not ln.strip():
+                break
+            summary.append(ln.rstrip())
+    return step, summary
+
+
+def last_error_line(logs: str) -> str | None:
+    """The trainer's one-line failure (`error: ...`), if it printed one."""
+    return next((ln.strip() for ln in reversed(logs.splitlines()) if ln.strip().startswith("error:")), None)
+
+
+def _fmt_time(ms: int | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ms / 1000)) if ms else "-"
+
+
+def _fmt_duration(info: Any) -> str:
+    if not info.start_time:
+        return "-"
+    end = info.end_time or time.time() * 1000
+    s = max(0, int((end - info.start_time) / 1000))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def _preset(info: Any) -> str:
+    meta = info.metadata or {}
+    if "cloudrl_preset" not in meta:
+        return "-"
+    return " ".join(x for x in (meta["cloudrl_preset"], meta.get("cloudrl_overrides", "")) if x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Commands
+# ----------------------------------------------------------------------------------------------
+
+
+def status_text(dash: Dashboard, job_id: str | None) -> str:
+    info = job_info(dash, job_id) if job_id else latest_job(dash)
+    name = job_name(info)
+    lines = [
+        f"job:       {name}",
+        f"status:    {info.status}" + (f" ({info.message})" if info.message and info.status != "RUNNING" else ""),
+        f"preset:    {_preset(info)}",
+        f"started:   {_fmt_time(info.start_time)} ({_fmt_duration(info)}"
+        + (" so far)" if not info.status.is_terminal() else ")"),
+        f"dashboard: {dash.address.job_url(name)}",
+    ]
+    try:
+        step, summary = latest_metrics(job_logs(dash, name))
+    except CloudrlError:  # drivers started without `submit` have no job logs
+        step, summary = "no logs for this job", []
+    lines.append(f"latest:    {step}" if step else "latest:    no step finished yet")
+    lines += summary
+    if not info.status.is_terminal():
+        lines.append(f"follow:    cloudrl logs {name} --follow{dash.address.flag}")
+    return "\n".join(lines)
+
+
+def list_text(dash: Dashboard) -> str:
+    jobs = list_jobs(dash)
+    if not jobs:
+        return f"no jobs on {dash.address.url} yet: submit one with `cloudrl submit`"
+    rows = [("ID", "STATUS", "START", "DURATION", "PRESET")]
+    rows += [(job_name(j), str(j.status), _fmt_time(j.start_time), _fmt_duration(j), _preset(j)) for j in jobs]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows).rstrip()
+
+
+def stop(dash: Dashboard, job_id: str) -> str:
+    """Ask Ray to stop the job and wait (bounded) until it reports a final status."""
+    info = job_info(dash, job_id)
+    if info.status.is_terminal():
+        return f"job {job_id} had already ended: {info.status}"
+    dash.call(lambda: dash.jobs.stop_job(job_id), what=f"stop {job_id}", job_id=job_id)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while time.monotonic() < deadline:
+        info = job_info(dash, job_id)
+        if info.status.is_terminal():
+            return f"job {job_id} {'stopped' if info.status == 'STOPPED' else 'ended: ' + str(info.status)}"
+        time.sleep(0.5)
+    raise CloudrlError(f"asked Ray to stop {job_id}, but it still reports {info.status} after {STOP_WAIT_S:g} s: "
+                       f"check `cloudrl status {job_id}{dash.address.flag}`")
+
+
+def follow(dash: Dashboard, job_id: str, out: Callable[[str], Any] | None = None) -> Any:
+    """Stream the job's logs until it ends; returns its final info.
+
+    Raises CloudrlError unless it succeeded, and Detached on Ctrl+C (the job keeps running).
+    """
+    write = out or _write_stdout
+    job_info(dash, job_id)  # a clear error for an unknown id before opening the stream
+    try:
+        asyncio.run(_stream(dash, job_id, write))
+    except KeyboardInterrupt:
+        raise Detached(job_id) from None
+    info = job_info(dash, job_id)
+    deadline = time.monotonic() + END_GRACE_S
+    while not info.status.is_terminal() and time.monotonic() < deadline:  # stream closed a little early
+        time.sleep(0.5)
+        info = job_info(dash, job_id)
+    if info.status == "SUCCEEDED":
+        return info
+    if not info.status.is_terminal():
+        raise CloudrlError(f"the log stream of {job_id} ended while the job is {info.status}: "
+                           f"follow it again with `cloudrl logs {job_id} --follow{dash.address.flag}`")
+    reason = last_error_line(job_logs(dash, job_id))
+    if not reason:
+        message = (info.message or "").strip()
+        reason = message.splitlines()[0] if message else "no message"
+    raise CloudrlError(f"job {job_id} {info.status}: {reason} (full logs: cloudrl logs {job_id}{dash.address.flag})")
+
+
+def _write_stdout(chunk: str) -> None:
+    sys.stdout.write(chunk)
+    sys.stdout.flush()
+
+
+async def _stream(dash: Dashboard, job_id: str, write: Callable[[str], Any]) -> None:
+    client = dash.jobs
+
+    async def pump() -> None:
+        async for chunk in client.tail_job_logs(job_id):
+            write(chunk)
+
+    tail = asyncio.ensure_future(pump())
+    ended_at: float | None = None
+    try:
+        while True:
+            done, _ = await asyncio.wait({tail}, timeout=STATUS_POLL_S)
+            if done:
+                exc = tail.exception()
+                if exc is not None:
+                    raise CloudrlError(f"the log stream of {job_id} from {dash.address.url} broke "
+                                       f"({_short(exc)}); the job may still run: "
+                                       f"`cloudrl status {job_id}{dash.address.flag}`")
+                return
+            # A watchdog beside the stream: a dead tunnel fails this bounded call instead of hanging.
+            info = await asyncio.to_thread(job_info, dash, job_id)
+            if info.status.is_terminal():
+                ended_at = ended_at or time.monotonic()
+                if time.monotonic() - ended_at > END_GRACE_S:
+                    return
+    finally:
+        if not tail.done():
+            tail.cancel()
+            try:
+                await tail
+            except (asyncio.CancelledError, Exception):
+                pass
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__

@@ -1,0 +1,259 @@
+"""The Ray cluster as the CLI sees it: its dashboard's HTTP API and Ray's Jobs client, time-bounded.
+
+The user's machine reaches only the dashboard (usually a port that dstack or ssh forwards to
+127.0.0.1:8265), never the GCS port, so everything goes over HTTP: the version check, the alive nodes'
+resources for the placement preflight, and the Jobs API through `ray.job_submission.JobSubmissionClient`.
+Every request has a timeout, so a dead tunnel is an error sentence, not a hang. Ray is imported inside
+functions to keep `cloudrl --help` fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+from .errors import CloudrlError
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+CONNECT_TIMEOUT_S = 3.0
+READ_TIMEOUT_S = 10.0
+# The first request: a dashboard that answers at all answers /api/version at once.
+PROBE_READ_TIMEOUT_S = 5.0
+# Uploads and job submission can take longer than a status read on a slow tunnel.
+SUBMIT_READ_TIMEOUT_S = 120.0
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Address:
+    url: str
+    """The dashboard's base URL, without a trailing slash."""
+    source: str
+    """Where it came from: --address, RAY_ADDRESS, default or local (the `cloudrl local` cluster)."""
+
+    @property
+    def flag(self) -> str:
+        """What to add to a follow-up command so it reaches the same cluster."""
+        if self.source == "--address":
+            return f" --address {self.url}"
+        if self.source == "local":
+            return " --local"
+        return ""
+
+    def job_url(self, job_id: str) -> str:
+        return f"{self.url}/#/jobs/{job_id}"
+
+
+def resolve_address(address: str | None, local: bool = False) -> Address:
+    """--address, else RAY_ADDRESS, else the port dstack forwards; `local` = the `cloudrl local` cluster."""
+    if local:
+        if address:
+            raise CloudrlError("pass either --local or --address, not both")
+        from .local_cluster import running_dashboard_url
+
+        url = running_dashboard_url()
+        if url is None:
+            raise CloudrlError("no local cluster is running: start one with `cloudrl local up`")
+        return Address(url, "local")
+    if address:
+        source = "--address"
+    elif os.environ.get("RAY_ADDRESS"):
+        address, source = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+    else:
+        address, source = DEFAULT_ADDRESS, "default"
+    if "://" not in address:
+        address = f"http://{address}"
+    scheme = address.split("://", 1)[0]
+    if scheme not in ("http", "https"):
+        raise CloudrlError(
+            f"{source}={address} is not a dashboard URL: cloudrl talks to the Ray dashboard, "
+            f"e.g. --address {DEFAULT_ADDRESS}"
+        )
+    return Address(address.rstrip("/"), source)
+
+
+def _where(address: Address) -> str:
+    return {"--address": "", "RAY_ADDRESS": " (from RAY_ADDRESS)", "default": " (the default address)",
+            "local": " (the local cluster)"}[address.source]
+
+
+def unreachable_hint(address: Address) -> str:
+    if address.source == "local":
+        return "the local cluster is gone: restart it with `cloudrl local down && cloudrl local up`"
+    return ("forward the dashboard of a dstack run with `cloudrl dashboard` (or `dstack attach cloudrl-ray`), "
+            "start a cluster on this machine with `cloudrl local up` and pass --local, or pass --address")
+
+
+class Dashboard:
+    """One cluster's dashboard: plain HTTP reads plus Ray's Jobs client."""
+
+    def __init__(self, address: Address):
+        self.address = address
+        self._jobs: Any = None
+        self._headers: dict[str, str] = {}
+        self._probed = False
+
+    # -- plain HTTP ---------------------------------------------------------------------------
+    def get_json(self, path: str, read_timeout: float = READ_TIMEOUT_S) -> Any:
+        url = f"{self.address.url}{path}"
+        r = self._get(url, read_timeout)
+        if r.status_code == 401 and not self._headers and (token := local_auth_token()):
+            # A cluster with Ray token auth: retry with the token this machine has for Ray.
+            self._headers = {"Authorization": f"Bearer {token}"}
+            r = self._get(url, read_timeout)
+        self._probed = True
+        if r.status_code in (401, 403):
+            found = "it rejected the token found here" if self._headers else "no token is set here"
+            raise CloudrlError(
+                f"the cluster at {self.address.url} uses Ray token authentication and {found}: "
+                f"set RAY_AUTH_TOKEN to the cluster's token (`ray get-auth-token` on its head node)"
+            )
+        if r.status_code != 200:
+            raise CloudrlError(
+                f"{url} answered HTTP {r.status_code}: is {self.address.url}{_where(self.address)} a Ray "
+                f"dashboard? {unreachable_hint(self.address)}"
+            )
+        try:
+            return r.json()
+        except ValueError:
+            raise CloudrlError(
+                f"{url} did not answer JSON: {self.address.url}{_where(self.address)} is not a Ray dashboard; "
+                f"{unreachable_hint(self.address)}"
+            ) from None
+
+    def _get(self, url: str, read_timeout: float) -> Any:
+        import requests
+
+        try:
+            return requests.get(url, headers=self._headers, timeout=(CONNECT_TIMEOUT_S, read_timeout))
+        except requests.exceptions.ConnectTimeout:
+            raise self._unreachable(f"no answer within {CONNECT_TIMEOUT_S:g} s") from None
+        except requests.exceptions.ReadTimeout:
+            raise self._unreachable(f"connected, but no reply within {read_timeout:g} s") from None
+        except requests.exceptions.ConnectionError as exc:
+            raise self._unreachable(_connection_reason(exc)) from None
+
+    def _unreachable(self, reason: str) -> CloudrlError:
+        return CloudrlError(
+            f"no Ray dashboard answers at {self.address.url}{_where(self.address)} ({reason}): "
+            f"{unreachable_hint(self.address)}"
+        )
+
+    def ray_version(self) -> str:
+        data = self.get_json("/api/version", read_timeout=PROBE_READ_TIMEOUT_S)
+        if not isinstance(data, dict) or "ray_version" not in data:
+            raise CloudrlError(f"{self.address.url}/api/version has no ray_version: is this a Ray dashboard?")
+        return str(data["ray_version"])
+
+    def check_version(self) -> str:
+        """Fail unless the cluster runs the Ray version installed here (jobs and runtime envs need it)."""
+        import ray
+
+        cluster, here = self.ray_version(), ray.__version__
+        if cluster != here:
+            raise CloudrlError(
+                f"the cluster runs Ray {cluster} but this machine has Ray {here}: install the same version "
+                f"here (pip install 'ray[default]=={cluster}') or bring the cluster up with Ray {here} "
+                f"(tasks/ray-bootstrap.sh pins it)"
+            )
+        return cluster
+
+    def alive_nodes(self) -> list[dict[str, float]]:
+        """Each alive node's total resources (CPU, GPU, custom), from the dashboard's state API."""
+        data = self.get_json("/api/v0/nodes?limit=10000&detail=true&filter_keys=state"
+                             "&filter_predicates=%3D&filter_values=ALIVE")
+        try:
+            rows = data["data"]["result"]["result"]
+        except (KeyError, TypeError):
+            raise CloudrlError(f"{self.address.url}/api/v0/nodes answered in an unknown shape: "
+                               f"is the cluster's Ray version the same as here?") from None
+        return [{k: float(v) for k, v in row.get("resources_total", {}).items()}
+                for row in rows if row.get("state") == "ALIVE"]
+
+    # -- Jobs API -----------------------------------------------------------------------------
+    @property
+    def jobs(self) -> Any:
+        """Ray's JobSubmissionClient for this address (created on first use)."""
+        if self._jobs is None:
+            if not self._probed:  # settles reachability and the auth header first, with our messages
+                self.ray_version()
+            self._jobs = self.call(lambda: _job_client(self.address.url, self._headers), what="connect")
+        return self._jobs
+
+    def call(self, fn: Callable[[], T], what: str, job_id: str | None = None) -> T:
+        """Run one Jobs API call, turning Ray's and requests' errors into one sentence."""
+        import requests
+
+        try:
+            return fn()
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError) as exc:
+            raise self._unreachable(f"{what}: {_connection_reason(exc)}") from None
+        except RuntimeError as exc:
+            text = str(exc)
+            if job_id and ("404" in text or "does not exist" in text):
+                raise CloudrlError(
+                    f"no job {job_id!r} on {self.address.url}: `cloudrl list{self.address.flag}` shows its jobs"
+                ) from None
+            raise CloudrlError(f"the Ray Jobs API at {self.address.url} refused to {what}: {_first_line(text)}") from None
+
+
+def local_auth_token() -> str | None:
+    """The Ray auth token this machine has, looked up where Ray looks: the env, then the token file."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _job_client(url: str, headers: dict[str, str]) -> Any:
+    import logging
+
+    from ray.job_submission import JobSubmissionClient
+
+    if not os.environ.get("CLOUDRL_DEBUG"):  # Ray's client logs every upload and closed stream at INFO
+        for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
+                     "ray._private.runtime_env.packaging"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+    class BoundedJobClient(JobSubmissionClient):
+        # Ray's client sends its HTTP requests without a timeout; a tunnel whose far end hangs
+        # would hang us too. Every request gets a connect and a read timeout.
+        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
+            read = SUBMIT_READ_TIMEOUT_S if method in ("POST", "PUT") else READ_TIMEOUT_S
+            kwargs.setdefault("timeout", (CONNECT_TIMEOUT_S, read))
+            return super()._do_request(method, endpoint, **kwargs)
+
+    # Ray lets RAY_ADDRESS (and RAY_API_SERVER_ADDRESS) override the address it is given; cloudrl has
+    # already resolved --address against RAY_ADDRESS, so hide both while the client is built.
+    with _env_unset("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        return BoundedJobClient(url, headers=dict(headers) or None)
+
+
+@contextlib.contextmanager
+def _env_unset(*names: str) -> Iterator[None]:
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _connection_reason(exc: BaseException) -> str:
+    text = str(exc)
+    for needle, reason in (("Connection refused", "connection refused"), ("timed out", "timed out"),
+                           ("Name or service not known", "unknown host"), ("Connection reset", "connection reset"),
+                           ("RemoteDisconnected", "the connection closed without a reply")):
+        if needle in text:
+            return reason
+    return _first_line(text)[:200]
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "no details"

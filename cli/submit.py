@@ -1,0 +1,195 @@
+"""`cloudrl submit`: check, then ship the trainer to a Ray cluster as a job.
+
+Order matters: everything that can fail is checked before anything is uploaded, so a failed submit
+leaves nothing on the cluster. Offline first (the config, the --env names), then the cluster in a few
+seconds (its dashboard answers, its Ray version equals ours, its alive nodes hold what the config
+asks for), then the upload and the job.
+
+The cluster has no cloudrl installed: the installed `cloudrl.trainer` package is copied into a temp
+`cloudrl/` directory and sent as a runtime-env `py_modules` entry, which Ray unpacks on each node
+and puts on the job's PYTHONPATH ahead of site-packages.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shlex
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import CloudrlError
+from .ray_api import Address, Dashboard
+
+# `python3` is what tasks/ray-bootstrap.sh installs Ray into; the local cluster puts this
+# environment's python3 first on its nodes' PATH.
+TRAINER_COMMAND = ["python3", "-m", "cloudrl.trainer"]
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+Echo = Callable[[str], None]
+
+
+@dataclass
+class JobRequest:
+    """Everything `submit_job` gets, minus the staged code directory and the secret values."""
+
+    submission_id: str
+    preset: str
+    overrides: list[str]
+    env_names: list[str] = field(default_factory=list)
+    preset_file: Path | None = None
+    """A preset given as a YAML path: shipped inside the package under its stem."""
+
+    @property
+    def preset_arg(self) -> str:
+        """What the trainer gets as --preset: a name in the shipped package's presets/."""
+        return self.preset_file.stem if self.preset_file else Path(self.preset).stem
+
+    @property
+    def entrypoint(self) -> str:
+        return shlex.join(TRAINER_COMMAND + ["--preset", self.preset_arg] + self.overrides)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        # Ray keeps job metadata as strings; `cloudrl list` and `status` read these back.
+        return {"cloudrl_preset": self.preset, "cloudrl_overrides": shlex.join(self.overrides),
+                "cloudrl_name": self.submission_id}
+
+    def runtime_env(self, package_dir: str | Path, env_values: dict[str, str]) -> dict[str, Any]:
+        # Unbuffered, so the step lines reach `cloudrl logs --follow` as they are printed.
+        return {"py_modules": [str(package_dir)], "env_vars": {"PYTHONUNBUFFERED": "1", **env_values}}
+
+
+def load_config(preset: str, overrides: list[str]) -> Any:
+    """The trainer's own config check, its message turned into the CLI's one error type."""
+    from cloudrl.trainer.config import ConfigError
+    from cloudrl.trainer.config import load_config as trainer_load_config
+
+    try:
+        return trainer_load_config(preset, overrides)
+    except ConfigError as exc:
+        raise CloudrlError(str(exc)) from None
+
+
+def build_request(preset: str, overrides: list[str], name: str | None, env_names: list[str]) -> JobRequest:
+    from cloudrl.trainer.config import PRESET_DIR, preset_path
+
+    path = preset_path(preset)  # load_config has already accepted it
+    preset_file = None if path.parent.resolve() == PRESET_DIR.resolve() else path
+    if name is None:
+        stem = re.sub(r"[^A-Za-z0-9_-]", "-", Path(preset).stem)[:40]
+        name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    elif not NAME_RE.match(name):
+        raise CloudrlError(f"--name {name!r}: use letters, digits, '.', '_' and '-' (it becomes the job id)")
+    for env in env_names:
+        if not ENV_RE.match(env):
+            var = env.split("=")[0] or "NAME"
+            raise CloudrlError(f"--env {env!r}: give the variable's NAME; its value is read from this shell and "
+                               f"never put on a command line (export {var}=... and pass --env {var})")
+    return JobRequest(name, preset, list(overrides), list(dict.fromkeys(env_names)), preset_file)
+
+
+def read_env(names: list[str]) -> dict[str, str]:
+    missing = [n for n in names if n not in os.environ]
+    if missing:
+        raise CloudrlError(
+            f"--env {', '.join(missing)}: not set in this shell; export {'them' if len(missing) > 1 else 'it'} "
+            f"first or drop the --env"
+        )
+    return {n: os.environ[n] for n in names}
+
+
+def stage_package(dest: Path, preset_file: Path | None = None) -> Path:
+    """Copy the installed `cloudrl.trainer` into dest/cloudrl/trainer; returns dest/cloudrl."""
+    import cloudrl.trainer
+
+    source = Path(cloudrl.trainer.__file__).parent
+    package = dest / "cloudrl"
+    shutil.copytree(source, package / "trainer", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    # A regular (empty) package, so the shipped copy wins over any cloudrl installed on a node.
+    (package / "__init__.py").write_text("")
+    if preset_file is not None:
+        shutil.copyfile(preset_file, package / "trainer" / "presets" / f"{preset_file.stem}.yaml")
+    return package
+
+
+def preflight(dash: Dashboard, cfg: Any) -> str:
+    """The cluster answers, runs our Ray version, and can place every role of cfg; returns a summary."""
+    from cloudrl.trainer.config import ConfigError
+    from cloudrl.trainer.placement import check_fits, describe_cluster
+
+    version = dash.check_version()
+    nodes = dash.alive_nodes()
+    try:
+        check_fits(cfg, nodes)
+    except ConfigError as exc:
+        raise CloudrlError(f"{exc} (cluster at {dash.address.url})") from None
+    return f"cluster ok: Ray {version}, {describe_cluster(nodes)}"
+
+
+def dry_run_text(cfg: Any, req: JobRequest, address: Address) -> str:
+    import yaml
+
+    request = {
+        "address": address.url,
+        "submission_id": req.submission_id,
+        "entrypoint": req.entrypoint,
+        "runtime_env": {
+            "py_modules": [f"<a copy of cloudrl.trainer{' + ' + str(req.preset_file) if req.preset_file else ''}>"],
+            "env_vars": {"PYTHONUNBUFFERED": "1", **{n: "<from this shell, not shown>" for n in req.env_names}},
+        },
+        "metadata": req.metadata,
+    }
+    return (f"# resolved config ({req.preset}{' + ' + ' '.join(req.overrides) if req.overrides else ''})\n"
+            f"{cfg.to_yaml()}\n# job request (--dry-run: not submitted, the cluster was not contacted)\n"
+            f"{yaml.safe_dump(request, sort_keys=False)}")
+
+
+def submit(dash: Dashboard, req: JobRequest, env_values: dict[str, str]) -> str:
+    """Upload the trainer and create the job; on any failure after the request left, remove the job."""
+    import requests
+
+    client = dash.jobs
+    with tempfile.TemporaryDirectory(prefix="cloudrl-submit-") as tmp:
+        package = stage_package(Path(tmp), req.preset_file)
+        try:
+            return client.submit_job(entrypoint=req.entrypoint, submission_id=req.submission_id,
+                                     runtime_env=req.runtime_env(package, env_values), metadata=req.metadata)
+        except RuntimeError as exc:  # the Jobs API said no: no job was created
+            if "already" in str(exc) and req.submission_id in str(exc):
+                raise CloudrlError(f"a job named {req.submission_id!r} already exists on {dash.address.url}: "
+                                   f"pick another --name") from None
+            raise CloudrlError(f"the cluster refused the job: {str(exc).strip().splitlines()[0]}") from None
+        except (requests.exceptions.RequestException, KeyboardInterrupt) as exc:
+            # The request may have reached the cluster before the connection broke: leave no job.
+            _remove_job(client, req.submission_id)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            raise CloudrlError(f"submitting to {dash.address.url} failed ({type(exc).__name__}); "
+                               f"no job was left behind: check the connection and submit again") from None
+
+
+def _remove_job(client: Any, submission_id: str) -> None:
+    try:
+        client.stop_job(submission_id)
+        for _ in range(20):
+            if client.get_job_status(submission_id).is_terminal():
+                client.delete_job(submission_id)
+                return
+            time.sleep(0.5)
+    except Exception:  # the job was never created, or the cluster is gone with it
+        pass
+
+
+def next_steps(address: Address, job_id: str) -> str:
+    flag = address.flag
+    return (f"dashboard:   {address.job_url(job_id)}\n"
+            f"follow logs: cloudrl logs {job_id} --follow{flag}\n"
+            f"status:      cloudrl status {job_id}{flag}\n"
+            f"stop:        cloudrl stop {job_id}{flag}")

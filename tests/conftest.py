@@ -1,0 +1,62 @@
+"""Shared fixtures: one local Ray instance for the trainer tests, and a private model cache."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """Built-in models are materialised into a cache of this test session only."""
+    cache = tmp_path_factory.mktemp("cloudrl-cache")
+    old = os.environ.get("CLOUDRL_CACHE")
+    os.environ["CLOUDRL_CACHE"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("CLOUDRL_CACHE", None)
+    else:
+        os.environ["CLOUDRL_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def ray_local(private_cache):
+    """A real single-node Ray instance (8 logical CPUs) shared by the trainer tests.
+
+    The trainer reuses an initialised Ray instead of starting its own, so each test pays only for
+    its actors. Yields the GCS address, so subprocess drivers can join the same instance.
+    """
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ctx = ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
+                   configure_logging=True)
+    try:
+        yield ctx.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
+
+
+def run_trainer(*args: str, env: dict | None = None, timeout: float = 300):
+    """`python -m cloudrl.trainer ARGS` in a subprocess; returns the CompletedProcess."""
+    import subprocess
+
+    full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "cloudrl.trainer", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, cwd=REPO)
+
+
+def tiny_overrides(run_dir: Path, **extra) -> list[str]:
+    """A short, fast run of the local preset."""
+    values = {"trainer.run_dir": str(run_dir), "trainer.total_steps": 2, "trainer.val_every": 0,
+              "model.sft_warmup_steps": 20, "trainer.loggers": "[jsonl]", "data.train_batch_size": 8,
+              "rollout.n": 2, "actor.mini_batch_size": 16, "actor.micro_batch_size": 8,
+              "critic.mini_batch_size": 16, "critic.micro_batch_size": 8}
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]

@@ -1,0 +1,169 @@
+"""Data-parallel training and placement on real Ray clusters (CPU, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from cloudrl.trainer.batch import build_batch
+from cloudrl.trainer.config import load_config
+from cloudrl.trainer.driver import train, update_shards
+from cloudrl.trainer.group import ActorGroup, _slots, create_placement_group
+from cloudrl.trainer.models import resolve_path
+from cloudrl.trainer.placement import ClusterTooSmall, check_fits, plan
+from cloudrl.trainer.workers import PolicyWorker
+
+from conftest import run_trainer, tiny_overrides
+
+pytestmark = pytest.mark.ray
+
+
+def _policy_group(cfg, model_path: str, world: int) -> tuple[ActorGroup, object]:
+    cfg.actor.workers_per_node = world
+    request = plan(cfg)[0]
+    pg = create_placement_group(request, 60)
+    bundles, per_worker = _slots(request, world, 1.0)
+    group = ActorGroup(PolicyWorker, pg, bundles, per_worker, (cfg.to_dict(), model_path))
+    group.init_distributed()
+    return group, pg
+
+
+def _fixed_batch(cfg, size: int):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[int(t) for t in torch.randint(3, 20, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen)]
+               for _ in range(size)]
+    responses = [[int(t) for t in torch.randint(3, 20, (int(torch.randint(0, 5, (1,), generator=gen)),), generator=gen)]
+                 for _ in range(size)]
+    batch = build_batch(prompts, responses, pad_id=0)
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=gen) * batch["response_mask"]
+    batch["old_logprobs"] = -torch.rand(batch["response_mask"].shape, generator=gen) * batch["response_mask"]
+    return batch
+
+
+def test_two_workers_match_one_on_the_same_global_batch(ray_local):
+    """One PPO update (2 mini-batches, several micro-batches) with W=2 gloo ranks gives the same
+    parameters as W=1: the loss is normalised by the global token count and gradients are summed."""
+    import ray
+    from ray.util import remove_placement_group
+
+    overrides = ["actor.mini_batch_size=16", "actor.micro_batch_size=4", "actor.lr=1e-3", "data.train_batch_size=8",
+                 "rollout.n=4", "model.sft_warmup_steps=20", "critic.mini_batch_size=16", "critic.micro_batch_size=4"]
+    cfg = load_config("local", overrides)
+    model_path = resolve_path(cfg.model.path, cfg)
+    batch = _fixed_batch(cfg, 32)
+    results = {}
+    for world in (1, 2):
+        group, pg = _policy_group(load_config("local", overrides), model_path, world)
+        try:
+            shards, norms = update_shards(batch, world, cfg.actor, seed=3)
+            assert len(norms) == 2 and all(s.size == 32 // world for s in shards)
+            ray.get([w.update.remote(s, norms, 0.0) for w, s in zip(group.workers, shards)])
+            results[world] = dict(ray.get(group.workers[0].weights.remote()))
+            if world == 2:  # every rank holds the same parameters after the step
+                rank1 = ray.get(group.workers[1].get_state.remote())
+                assert rank1 is None  # only rank 0 hands out state
+        finally:
+            group.kill()
+            remove_placement_group(pg)
+    initial = dict(PolicyWorker(cfg.to_dict(), model_path).weights())
+    changed = 0
+    for name, value in results[1].items():
+        torch.testing.assert_close(results[2][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        changed += not torch.equal(value, initial[name])
+    assert changed > len(results[1]) // 2
+
+
+def test_checkpoint_from_two_workers_resumes_in_one(ray_local, tmp_path):
+    """Checkpoints hold full state keyed by name: a W=2 run resumes as W=1 and continues like an
+    uninterrupted W=1 run."""
+    base = {"trainer.save_every": 1, "trainer.keep_last": 5}
+    straight = tmp_path / "w1"
+    train(load_config("local", tiny_overrides(straight, **base, **{"trainer.total_steps": 3})))
+    mixed = tmp_path / "w2_then_w1"
+    train(load_config("local", tiny_overrides(mixed, **base, **{"trainer.total_steps": 2,
+                                                                  "actor.workers_per_node": 2,
+                                                                  "critic.workers_per_node": 2})))
+    placement = json.loads((mixed / "placement.json").read_text())
+    assert len(placement["actor"]) == 2 and len(placement["critic"]) == 2
+    summary = train(load_config("local", tiny_overrides(mixed, **base, **{"trainer.total_steps": 3})))
+    assert summary["resumed_from"] == 2
+    a = torch.load(straight / "checkpoints/step_000003/actor.pt", weights_only=False)["model"]
+    b = torch.load(mixed / "checkpoints/step_000003/actor.pt", weights_only=False)["model"]
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ---- Two Ray nodes on 127.0.0.1 -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory, private_cache):
+    """A real 2-node Ray cluster (3 logical CPUs each), brought up and torn down by `cloudrl local`."""
+    import ray
+
+    from cloudrl.cli import local_cluster
+
+    if ray.is_initialized():  # this module's drivers join the 2-node cluster instead
+        ray.shutdown()
+    os.environ["CLOUDRL_LOCAL_DASHBOARD_PORT"] = "0"
+    state = local_cluster.up(nodes=2, cpus_per_node=3, echo=lambda line: None)
+    try:
+        yield state
+    finally:
+        local_cluster.down(echo=lambda line: None)
+        os.environ.pop("CLOUDRL_LOCAL_DASHBOARD_PORT", None)
+
+
+def test_actor_ranks_run_on_different_nodes(two_nodes, tmp_path):
+    result = run_trainer("--preset", "local", *tiny_overrides(tmp_path, **{"actor.nodes": 2}),
+                         env={"RAY_ADDRESS": two_nodes["gcs_address"]}, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    placement = json.loads((tmp_path / "placement.json").read_text())
+    actor_nodes = [w["node_id"] for w in sorted(placement["actor"], key=lambda w: w["rank"])]
+    assert len(set(actor_nodes)) == 2, placement
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]
+    assert "summary:" in result.stdout
+
+
+PREFLIGHT = [
+    (["actor.nodes=2", "actor.gpus_per_node=8", "actor.micro_batch_size=4"],
+     ["16 GPU", "actor.nodes=2 x actor.gpus_per_node=8", "0"]),
+    (["rollout.engine=vllm", "rollout.tensor_parallel_size=4", "actor.cpus_per_worker=0.5",
+      "critic.cpus_per_worker=0.5", "reward.cpus_per_worker=0.5"],
+     ["rollout needs 4 CPU on one node", "rollout.tensor_parallel_size=4", "3 CPUs"]),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", PREFLIGHT, ids=["16-gpus-on-cpus", "tp4-on-3-slot-nodes"])
+def test_preflight_fails_fast_and_leaves_nothing(two_nodes, tmp_path, overrides, expected):
+    import ray
+
+    start = time.monotonic()
+    result = run_trainer("--preset", "local", f"trainer.run_dir={tmp_path}", *overrides,
+                         env={"RAY_ADDRESS": two_nodes["gcs_address"]}, timeout=120)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr[-2000:]
+    for text in expected:
+        assert text in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert elapsed < 10, f"preflight took {elapsed:.1f}s"
+    ray.init(address=two_nodes["gcs_address"], logging_level="WARNING")
+    try:
+        live = [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+        assert not live, live
+    finally:
+        ray.shutdown()
+
+
+def test_check_fits_messages_without_a_cluster():
+    cfg = load_config("local", ["actor.nodes=2", "actor.workers_per_node=2"])
+    check_fits(cfg, [{"CPU": 4}, {"CPU": 4}])  # two nodes with room for two actor ranks each
+    with pytest.raises(ClusterTooSmall, match="on 2 different nodes"):
+        check_fits(cfg, [{"CPU": 16}])
+    with pytest.raises(ClusterTooSmall, match=r"asks for 8 h100 \(8 for actor"):
+        check_fits(load_config("local", ["actor.resources={h100: 8}"]), [{"CPU": 8}])

@@ -1,0 +1,184 @@
+"""The trainer end to end on a real local Ray instance, with the built-in tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from cloudrl.trainer import checkpoint
+from cloudrl.trainer.config import ALGORITHMS, load_config
+from cloudrl.trainer.driver import train
+from cloudrl.trainer.models import load_causal_lm, resolve_path
+
+from conftest import REPO, run_trainer, tiny_overrides
+
+pytestmark = pytest.mark.ray
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _initial_policy(cfg):
+    return load_causal_lm(resolve_path(cfg.model.path, cfg))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_each_algorithm_changes_every_parameter(ray_local, tmp_path, algorithm):
+    extra = {"algorithm.name": algorithm}
+    if algorithm == "reinforce_pp":
+        extra["algorithm.kl_mode"] = "loss"  # exercise the KL loss term too
+        extra["algorithm.kl_estimator"] = "k3"
+    cfg = load_config("local", tiny_overrides(tmp_path, **extra))
+    summary = train(cfg)
+
+    rows = _metrics(tmp_path)
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    for row in steps:
+        for key in ("rollout/reward_mean", "actor/pg_loss", "actor/entropy", "timing/step", "timing/sync"):
+            assert math.isfinite(row[key]), (key, row)
+    if algorithm == "ppo":
+        assert all(math.isfinite(r["critic/vf_loss"]) for r in steps)
+
+    before = dict(_initial_policy(cfg).named_parameters())
+    after = load_causal_lm(summary["exported_model"])
+    unchanged = [n for n, p in after.named_parameters() if torch.equal(p, before[n])]
+    assert not unchanged, f"parameters the update never touched: {unchanged}"
+
+    if algorithm == "ppo":  # the critic trained as well
+        critic = torch.load(tmp_path / "checkpoints" / "step_000002" / "critic.pt", weights_only=False)["model"]
+        from cloudrl.trainer.models import load_value_model
+
+        fresh = dict(load_value_model(resolve_path(cfg.model.path, cfg)).named_parameters())
+        assert not [n for n, p in fresh.items() if torch.equal(critic[n], p)]
+
+
+def test_exported_model_loads_with_plain_transformers(ray_local, tmp_path):
+    summary = train(load_config("local", tiny_overrides(tmp_path, **{"trainer.total_steps": 1})))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(summary["exported_model"])
+    tok = AutoTokenizer.from_pretrained(summary["exported_model"])
+    ids = tok("2+2=", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > ids.shape[1]
+    assert (tmp_path / "summary.json").exists() and (tmp_path / "config.yaml").exists()
+
+
+def _final_actor(run_dir, step) -> dict:
+    return torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "actor.pt", weights_only=False)
+
+
+def test_kill_and_resume_matches_uninterrupted_run(ray_local, tmp_path):
+    """A driver killed with SIGKILL after its first checkpoint resumes and ends where an
+    uninterrupted run ends: same parameters, optimizer state and metrics."""
+    steps = 4
+    common = {"trainer.total_steps": steps, "trainer.save_every": 1, "trainer.keep_last": 10}
+    straight = tmp_path / "straight"
+    train(load_config("local", tiny_overrides(straight, **common)))
+
+    crashed = tmp_path / "crashed"
+    env = {"RAY_ADDRESS": ray_local, "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "-m", "cloudrl.trainer", "--preset", "local",
+            *tiny_overrides(crashed, **{**common, "trainer.total_steps": 50})]
+    proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while not checkpoint.list_checkpoints(str(crashed)) and time.time() < deadline:
+            time.sleep(0.2)
+        assert checkpoint.list_checkpoints(str(crashed)), "the driver wrote no checkpoint in time"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    killed_at = int(checkpoint.latest(str(crashed)).name.split("_")[1])
+    assert killed_at < steps, "the run got too far before the kill to test a resume"
+
+    resumed = train(load_config("local", tiny_overrides(crashed, **common)))
+    assert resumed["resumed_from"] == killed_at
+    a, b = _final_actor(straight, steps), _final_actor(crashed, steps)
+    for name, tensor in a["model"].items():
+        torch.testing.assert_close(b["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    assert a["scheduler"] == b["scheduler"]
+    exp_a = a["optimizer"]["state"]["lm_head.weight"]["exp_avg"]
+    torch.testing.assert_close(b["optimizer"]["state"]["lm_head.weight"]["exp_avg"], exp_a)
+    ra = {r["step"]: r for r in _metrics(straight)}
+    rb = {r["step"]: r for r in _metrics(crashed)}
+    for step in range(killed_at + 1, steps + 1):
+        assert rb[step]["rollout/reward_mean"] == ra[step]["rollout/reward_mean"]
+        assert rb[step]["actor/pg_loss"] == pytest.approx(ra[step]["actor/pg_loss"], rel=1e-4, abs=1e-7)
+
+
+def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
+    run_dir = str(tmp_path)
+    first = checkpoint.save(run_dir, 1, {"actor": {"w": torch.ones(2)}}, {"step": 1}, "a: 1\n", keep_last=2)
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def crash_midway(obj, path, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", crash_midway)
+    with pytest.raises(checkpoint.CheckpointError, match="saving checkpoint"):
+        checkpoint.save(run_dir, 2, {"actor": {"w": torch.zeros(2)}, "critic": {"w": torch.zeros(2)}},
+                        {"step": 2}, "a: 1\n", keep_last=2)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert checkpoint.latest(run_dir) == first
+    assert [p.name for p in checkpoint.checkpoint_root(run_dir).iterdir()] == ["step_000001"]
+    parts, state = checkpoint.load(first, ["actor"])
+    assert state["step"] == 1 and torch.equal(parts["actor"]["w"], torch.ones(2))
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    for step in range(1, 5):
+        checkpoint.save(str(tmp_path), step, {"actor": {}}, {"step": step}, "", keep_last=2)
+    assert [p.name for p in checkpoint.list_checkpoints(str(tmp_path))] == ["step_000003", "step_000004"]
+
+
+# ---- Bad input: one line, exit 1, no traceback, nothing started. -------------------------------
+
+BAD_INPUTS = [
+    (["model.path=/nonexistent/model"], "cannot load the tokenizer from '/nonexistent/model'"),
+    (["reward.function=exact_mtch"], "exact_match"),
+    (["actor.mini_batch_size=48"], "actor.mini_batch_size=48 does not divide"),
+    (["actor.lrr=1e-6"], "did you mean actor.lr?"),
+    (["actor.lr=fast"], "actor.lr must be a number"),
+    (["trainer.run_dir=/proc/cloudrl"], "cannot write checkpoints"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", BAD_INPUTS, ids=[b[0][0].split("=")[0] for b in BAD_INPUTS])
+def test_bad_input_is_one_clear_line(tmp_path, overrides, expected):
+    result = run_trainer("--preset", "local", f"trainer.run_dir={tmp_path}", *overrides, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_dataset_without_prompt_column(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    result = run_trainer("--preset", "local", f"trainer.run_dir={tmp_path}", f"data.train_files={data}",
+                         "reward.function=exact_match", timeout=120)
+    assert result.returncode == 1
+    assert "data.prompt_key" in result.stderr and "question" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_debug_variable_shows_the_traceback(tmp_path):
+    result = run_trainer("--preset", "local", f"trainer.run_dir={tmp_path}", "actor.lrr=1",
+                         env={"CLOUDRL_DEBUG": "1"}, timeout=120)
+    assert result.returncode != 0 and "Traceback" in result.stderr

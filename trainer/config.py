@@ -1,0 +1,568 @@
+"""One typed config for the trainer: a YAML preset plus `key=value` overrides.
+
+    cfg = load_config("local", ["algorithm.name=grpo", "actor.lr=1e-5"])
+
+Presets live in `trainer/presets/<name>.yaml` (or any YAML path). Every key is checked against the
+dataclasses below: an unknown key fails with the closest valid one, a wrong type names the key and the
+type it wants, and batch sizes that don't divide say which key to change. Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ConfigError(ValueError):
+    """A config problem the user can fix; the message names the key and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin:tiny"
+    """Policy model: a local directory or hub name for AutoModelForCausalLM, or `builtin:tiny`."""
+    dtype: str = "float32"
+    """Training dtype: float32, bfloat16 or float16."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (saves memory on big models)."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub (only for models you trust)."""
+    sft_warmup_steps: int = 0
+    """Supervised steps on the task's answer format before RL (the built-in task only)."""
+    sft_warmup_lr: float = 3e-3
+    """Learning rate of the format warm-up."""
+
+
+@dataclass
+class DataConfig:
+    train_files: str = "builtin:arithmetic"
+    """Prompt file(s), comma separated: .jsonl or .parquet with a `prompt` column; or builtin:arithmetic."""
+    val_files: str = ""
+    """Held-out prompts for validation; empty = a held-out split of the built-in task, else none."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string, or a list of chat messages."""
+    max_prompt_length: int = 64
+    """Prompts longer than this (in tokens) are left-truncated."""
+    train_batch_size: int = 16
+    """Prompts per PPO step (each is sampled `rollout.n` times)."""
+    val_batch_size: int = 64
+    """Prompts per validation pass."""
+    shuffle: bool = True
+    """Shuffle prompts every epoch (seeded, so a resumed run sees the same order)."""
+    arithmetic_max_operand: int = 4
+    """Built-in task: operands are drawn from 0..this."""
+    arithmetic_size: int = 2000
+    """Built-in task: number of generated training prompts."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """Generation engine: `hf` (transformers generate) or `vllm`."""
+    n: int = 4
+    """Samples per prompt (the group size for GRPO/RLOO)."""
+    max_new_tokens: int = 8
+    """Longest response, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings, in addition to the tokenizer's end-of-sequence token."""
+    num_engines: int = 1
+    """Rollout engines (Ray actors); prompts are split across them."""
+    tensor_parallel_size: int = 1
+    """GPUs per vLLM engine; all on one node."""
+    gpus_per_engine: float = 0.0
+    """GPUs per HF engine (vLLM uses tensor_parallel_size). 0 = CPU."""
+    cpus_per_engine: float = 1.0
+    """CPUs per engine."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: share of GPU memory for weights and KV cache."""
+    sleep_between_rollouts: bool = False
+    """vLLM: free weights and KV cache while the policy trains (for colocated GPUs)."""
+    logprob_correction: bool = False
+    """Reweight the policy loss with truncated importance weights (trainer vs engine log-probs)."""
+    logprob_correction_cap: float = 2.0
+    """Upper bound of those importance weights."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per engine, e.g. {h100: 1} to pin engines to nodes started with them."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "ppo"
+    """Advantage estimator: ppo (GAE + critic), grpo, rloo, reinforce_pp, reinforce_pp_baseline."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Normalise PPO advantages over the batch (GRPO/RLOO normalise per group)."""
+    kl_coef: float = 0.001
+    """KL weight against the reference policy (0 = no reference model is loaded)."""
+    kl_mode: str = "reward"
+    """Where KL enters: `reward` (token-level penalty) or `loss` (a loss term)."""
+    kl_estimator: str = "k1"
+    """KL estimator: k1, k2 or k3."""
+    kl_target: float = 0.0
+    """> 0 turns on the adaptive KL controller with this target."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller horizon."""
+    grpo_norm_by_std: bool = True
+    """GRPO: divide by the group's standard deviation."""
+
+
+@dataclass
+class RoleConfig:
+    """Placement of one role's workers: `nodes` x (`gpus_per_node` or `workers_per_node`)."""
+
+    nodes: int = 1
+    """Nodes the role spans."""
+    gpus_per_node: int = 0
+    """GPUs per node; one worker per GPU. 0 = CPU workers."""
+    workers_per_node: int = 1
+    """CPU workers per node (used when gpus_per_node is 0)."""
+    cpus_per_worker: float = 1.0
+    """CPUs each worker reserves."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per worker, e.g. {h100: 1}."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * (self.gpus_per_node if self.gpus_per_node > 0 else self.workers_per_node)
+
+
+@dataclass
+class ActorConfig(RoleConfig):
+    lr: float = 1e-6
+    """Policy learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up (optimizer steps)."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 = off)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int = 64
+    """Sequences per optimizer step (global, across workers)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on one worker."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1."""
+    clip_high: float = 0.2
+    """PPO ratio clip above 1 (raise it for clip-higher)."""
+    dual_clip: float = 0.0
+    """Dual-clip bound c > 1 for negative advantages (0 = off)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    fsdp: bool = True
+    """Shard parameters with FSDP2 on GPU workers (ignored on CPU)."""
+    cpu_offload: bool = False
+    """FSDP2: keep parameters and optimizer state on CPU."""
+
+
+@dataclass
+class CriticConfig(RoleConfig):
+    model_path: str = ""
+    """Value model; empty = the policy's path (a value head is added)."""
+    lr: float = 1e-5
+    """Critic learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up (optimizer steps)."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 = off)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int = 64
+    """Sequences per optimizer step (global, across workers)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on one worker."""
+    clip_value: float = 0.2
+    """Value clipping range (0 = off)."""
+    fsdp: bool = True
+    """Shard parameters with FSDP2 on GPU workers (ignored on CPU)."""
+    cpu_offload: bool = False
+    """FSDP2: keep parameters and optimizer state on CPU."""
+
+
+@dataclass
+class ReferenceConfig(RoleConfig):
+    micro_batch_size: int = 32
+    """Sequences per forward pass."""
+
+
+@dataclass
+class RewardConfig(RoleConfig):
+    function: str = "arithmetic"
+    """Reward: a built-in name, `module:function` or `path/to/file.py:function`."""
+    model_path: str = ""
+    """Optional reward model (AutoModelForSequenceClassification); its score is added."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score."""
+    micro_batch_size: int = 32
+    """Sequences per reward-model forward pass."""
+
+
+@dataclass
+class PlacementConfig:
+    colocate_actor_ref: bool = True
+    """Keep the reference model in the actor's worker processes (no extra processes or GPUs)."""
+    colocate_critic_reward: bool = False
+    """Put reward workers on the critic's GPUs (shared placement group bundles)."""
+    colocate_all: bool = False
+    """Hybrid engine: every role and the rollout engines share the actor's GPUs."""
+    strategy: str = "pack"
+    """Placement-group strategy for multi-node roles: pack or spread."""
+    timeout_s: float = 60.0
+    """Fail when placement groups are not ready after this long (instead of hanging)."""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 20
+    """PPO steps to run."""
+    seed: int = 1
+    """Seed for data order, sampling and initialisation."""
+    run_dir: str = "runs/local"
+    """Where metrics, checkpoints and the exported model go (a local disk or a mounted volume)."""
+    save_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Checkpoints to keep."""
+    resume: str = "auto"
+    """`auto` (latest checkpoint in run_dir if any), `never`, or a checkpoint directory."""
+    val_every: int = 0
+    """Validate every N steps with greedy decoding (0 = only before and after training)."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """Metric sinks: console, jsonl, tensorboard, wandb."""
+    wandb_project: str = ""
+    """W&B project (the key is read from WANDB_API_KEY; never printed)."""
+    export_hf: bool = True
+    """Save the final policy with save_pretrained into run_dir/hf_model."""
+    ray_address: str = ""
+    """Ray cluster to join; empty = the one the job was submitted to, or a new local one."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    # Derived values, computed once in one place.
+    @property
+    def rollout_batch_size(self) -> int:
+        """Sequences generated per step."""
+        return self.data.train_batch_size * self.rollout.n
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algorithm.name == "ppo"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.algorithm.kl_coef > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+GROUP_ALGORITHMS = ("grpo", "rloo", "reinforce_pp_baseline")
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def preset_path(preset: str) -> Path:
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    candidate = PRESET_DIR / f"{preset}.yaml"
+    if candidate.exists():
+        return candidate
+    raise ConfigError(
+        f"unknown preset {preset!r}: use one of {', '.join(available_presets())} or a path to a YAML file"
+    )
+
+
+def load_config(preset: str = "local", overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a checked Config from a preset and `section.key=value` overrides."""
+    path = preset_path(preset)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__}): fix the file") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a preset must be a mapping of sections like `actor:`")
+    cfg = Config()
+    _apply_mapping(cfg, raw, prefix="", source=str(path))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE: write it like actor.lr=1e-6")
+        _set_key(cfg, key.strip(), yaml.safe_load(value) if value.strip() else "", source="command line")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a Config saved with `to_dict` (e.g. from a checkpoint)."""
+    cfg = Config()
+    _apply_mapping(cfg, data, prefix="", source="saved config")
+    validate(cfg)
+    return cfg
+
+
+def _all_keys(obj: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += _all_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _unknown_key(cfg: Config, key: str, source: str) -> ConfigError:
+    valid = _all_keys(cfg)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if not close:  # a bare field name without its section
+        close = [k for k in valid if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]][:1]
+    hint = f"did you mean {close[0]}?" if close else "see `python -m cloudrl.trainer --help-config`"
+    return ConfigError(f"unknown config key {key!r} ({source}): {hint}")
+
+
+def _apply_mapping(cfg: Config, data: dict, prefix: str, source: str) -> None:
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict) and not _is_dict_field(cfg, key):
+            _apply_mapping(cfg, value, f"{key}.", source)
+        else:
+            _set_key(cfg, key, value, source)
+
+
+def _is_dict_field(cfg: Config, key: str) -> bool:
+    try:
+        owner, f = _resolve(cfg, key)
+    except KeyError:
+        return False
+    return typing.get_origin(_field_type(owner, f)) is dict
+
+
+def _resolve(cfg: Config, key: str) -> tuple[Any, dataclasses.Field]:
+    obj: Any = cfg
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(obj)}
+        if part not in fields:
+            raise KeyError(key)
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(getattr(obj, part)):
+                raise KeyError(key)
+            return obj, fields[part]
+        obj = getattr(obj, part)
+        if not dataclasses.is_dataclass(obj):
+            raise KeyError(key)
+    raise KeyError(key)
+
+
+def _field_type(owner: Any, f: dataclasses.Field) -> Any:
+    return typing.get_type_hints(type(owner))[f.name]
+
+
+def _set_key(cfg: Config, key: str, value: Any, source: str) -> None:
+    try:
+        owner, f = _resolve(cfg, key)
+    except KeyError:
+        raise _unknown_key(cfg, key, source) from None
+    setattr(owner, f.name, _coerce(key, value, _field_type(owner, f)))
+
+
+def _coerce(key: str, value: Any, want: Any) -> Any:
+    origin = typing.get_origin(want)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, e.g. {key}=[a,b]; got {value!r}")
+        (item_type,) = typing.get_args(want)
+        return [_coerce(key, v, item_type) for v in value]
+    if origin is dict:
+        if value in (None, ""):
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, e.g. {key}={{name: 1}}; got {value!r}")
+        _, val_type = typing.get_args(want)
+        return {str(k): _coerce(f"{key}.{k}", v, val_type) for k, v in value.items()}
+    if want is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false; got {value!r}")
+    if want is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer; got {value!r}")
+        return value
+    if want is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number; got {value!r}")
+        return float(value)
+    if want is str:
+        if value is None:
+            return ""
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key} must be a string; got {value!r}")
+        return str(value)
+    raise TypeError(f"unsupported config type for {key}: {want}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: one place, each message names the key and the fix.
+# ----------------------------------------------------------------------------------------------
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}{hint}")
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0; got {value}")
+
+
+def validate(cfg: Config) -> None:
+    a, r = cfg.algorithm, cfg.rollout
+    _choice("algorithm.name", a.name, ALGORITHMS)
+    _choice("algorithm.kl_mode", a.kl_mode, ("reward", "loss"))
+    _choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
+    _choice("rollout.engine", r.engine, ("hf", "vllm"))
+    _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
+    _choice("placement.strategy", cfg.placement.strategy, ("pack", "spread"))
+    for name in cfg.trainer.loggers:
+        _choice("trainer.loggers", name, ("console", "jsonl", "tensorboard", "wandb"))
+    for key in ("data.train_batch_size", "rollout.n", "rollout.max_new_tokens", "rollout.num_engines",
+                "rollout.tensor_parallel_size", "actor.mini_batch_size", "actor.micro_batch_size",
+                "actor.ppo_epochs", "trainer.total_steps", "trainer.keep_last", "data.max_prompt_length"):
+        section, name = key.split(".")
+        _positive(key, getattr(getattr(cfg, section), name))
+    if a.name in GROUP_ALGORITHMS and r.n < 2:
+        raise ConfigError(f"algorithm.name={a.name} compares samples of one prompt: set rollout.n>=2 (now {r.n})")
+    if not 0 < r.gpu_memory_utilization <= 1:
+        raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1]; got {r.gpu_memory_utilization}")
+    if a.kl_target < 0 or a.kl_coef < 0:
+        raise ConfigError("algorithm.kl_coef and algorithm.kl_target must be >= 0")
+    if cfg.actor.dual_clip and cfg.actor.dual_clip <= 1:
+        raise ConfigError(f"actor.dual_clip must be > 1 (or 0 to turn it off); got {cfg.actor.dual_clip}")
+    _check_batches(cfg)
+    for role in ("actor", "critic", "reference", "reward"):
+        rc: RoleConfig = getattr(cfg, role)
+        if rc.nodes < 1 or rc.gpus_per_node < 0 or rc.workers_per_node < 1 or rc.cpus_per_worker < 0:
+            raise ConfigError(f"{role}.nodes and {role}.workers_per_node must be >= 1, "
+                              f"{role}.gpus_per_node and {role}.cpus_per_worker >= 0")
+    if r.engine == "hf" and r.tensor_parallel_size != 1:
+        raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
+
+
+def _check_batches(cfg: Config) -> None:
+    rollout = cfg.rollout_batch_size
+    for role in ("actor", "critic"):
+        if role == "critic" and not cfg.uses_critic:
+            continue
+        rc = getattr(cfg, role)
+        world = rc.world_size
+        mini, micro = rc.mini_batch_size, rc.micro_batch_size
+        if rollout % mini:
+            raise ConfigError(
+                f"{role}.mini_batch_size={mini} does not divide the {rollout} sequences of a step "
+                f"(data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n}): "
+                f"set {role}.mini_batch_size to a divisor of {rollout}"
+            )
+        if mini % world:
+            raise ConfigError(
+                f"{role}.mini_batch_size={mini} does not split over {world} {role} workers: "
+                f"use a multiple of {world}"
+            )
+        if (mini // world) % micro:
+            raise ConfigError(
+                f"{role}.micro_batch_size={micro} does not divide the {mini // world} sequences each "
+                f"{role} worker gets per mini-batch ({role}.mini_batch_size={mini} / {world} workers): "
+                f"set {role}.micro_batch_size to a divisor of {mini // world}"
+            )
+    if cfg.data.train_batch_size % cfg.rollout.num_engines:
+        raise ConfigError(
+            f"data.train_batch_size={cfg.data.train_batch_size} does not split over "
+            f"rollout.num_engines={cfg.rollout.num_engines}: use a multiple of it"
+        )
+
+
+def describe_keys() -> str:
+    """Every key with its default and one-line doc: what `--help-config` prints."""
+    lines = []
+    for section in dataclasses.fields(Config):
+        obj = getattr(Config(), section.name)
+        lines.append(f"{section.name}:")
+        docs = _field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            lines.append(f"  {section.name}.{f.name} = {getattr(obj, f.name)!r}  # {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field docstrings (the string right under each field), collected from the class source."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(inspect.getsource(klass))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value).strip()  # type: ignore[union-attr]
+    return docs

@@ -1,0 +1,312 @@
+"""Prompt datasets: loading verl-style JSONL/Parquet files and the built-in arithmetic task.
+
+    records = load_prompts("data/train.parquet,data/extra.jsonl", tokenizer, data_cfg=cfg.data, seed=1)
+    loader = PromptLoader(records, batch_size=16, shuffle=True, seed=1)
+    batch = loader.next_batch()            # list[PromptRecord]; loader.state_dict() goes in checkpoints
+
+A file row has the columns verl users already have: `prompt` (a string or a list of chat messages),
+`reward_model: {ground_truth: ...}` (or a flat `ground_truth` / `answer` column) and `data_source`;
+every other column travels along in `PromptRecord.extra` and reaches the reward function. Nothing
+here imports Ray; the only heavy import is pyarrow, and only when a Parquet file is read.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .config import DataConfig
+from .errors import DataError
+
+BUILTIN_ARITHMETIC = "builtin:arithmetic"
+# Names the reward call passes itself; a file column with one of these names stays out of `extra`.
+RESERVED_COLUMNS = ("completions", "prompts", "ground_truth", "data_source")
+
+
+@dataclass
+class PromptRecord:
+    prompt_ids: list[int]
+    """Token ids the policy is prompted with (chat template applied, left-truncated)."""
+    prompt_text: str
+    """The text those ids encode: what the model sees."""
+    ground_truth: str
+    """Reference answer for the reward function; "" when the dataset has none."""
+    data_source: str
+    """Which dataset the row came from; `auto` rewards dispatch on it."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The row's other columns (JSON-able), passed to the reward function as keyword lists."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+
+def load_prompts(files: str, tokenizer, *, prompt_key: str | None = None, max_prompt_length: int | None = None,
+                 split: str = "train", data_cfg: DataConfig | None = None, seed: int = 0) -> list[PromptRecord]:
+    """Read comma-separated `files` (`.jsonl`, `.parquet` or `builtin:arithmetic`) into records.
+
+    `prompt_key` and `max_prompt_length` default to `data_cfg`'s values (or "prompt" and 64);
+    `data_cfg` also sizes the built-in task. `split` only matters for the built-in task ("val" is
+    its fixed evaluation set) and for naming the config key in error messages. Relative paths are
+    relative to the current directory. Raises DataError with the fix in its message.
+    """
+    cfg = data_cfg or DataConfig()
+    prompt_key = prompt_key or cfg.prompt_key
+    max_len = max_prompt_length or cfg.max_prompt_length
+    key = "data.val_files" if split == "val" else "data.train_files"
+    entries = [f.strip() for f in files.split(",") if f.strip()]
+    if not entries:
+        raise DataError(f"no prompt files given: set {key}=path/to/train.parquet (or {BUILTIN_ARITHMETIC})")
+    records: list[PromptRecord] = []
+    for entry in entries:
+        if entry.startswith("builtin:"):
+            if entry != BUILTIN_ARITHMETIC:
+                raise DataError(f"unknown built-in dataset {entry!r} in {key}: "
+                                f"the built-in one is {BUILTIN_ARITHMETIC}")
+            records += _arithmetic_records(tokenizer, cfg, split, seed, max_len)
+        else:
+            records += _file_records(Path(entry), tokenizer, prompt_key, max_len, key)
+    return records
+
+
+def _file_records(path: Path, tokenizer, prompt_key: str, max_len: int, key: str) -> list[PromptRecord]:
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".parquet"):
+        raise DataError(f"{path}: unsupported file type {suffix or '(none)'!r}: use .jsonl or .parquet files in {key}")
+    if not path.is_file():
+        raise DataError(f"data file not found: {path} (relative to {Path.cwd()}): check {key}")
+    rows = _read_jsonl(path) if suffix == ".jsonl" else _read_parquet(path)
+    if not rows:
+        raise DataError(f"{path}: the file has no rows: add prompts or remove it from {key}")
+    columns = list(dict.fromkeys(k for _, row in rows for k in row))
+    if prompt_key not in columns:
+        raise DataError(f"{path}: no {prompt_key!r} column (it has {', '.join(columns) or 'none'}): "
+                        f"set data.prompt_key=<one of them>")
+
+    texts, truths, sources, extras = [], [], [], []
+    for where, row in rows:
+        texts.append(_prompt_text(row.get(prompt_key), tokenizer, f"{path}:{where}", prompt_key))
+        truths.append(_ground_truth(row))
+        sources.append(str(row.get("data_source") or path.stem))
+        extras.append({k: v for k, v in row.items() if k != prompt_key and k not in RESERVED_COLUMNS})
+    # A chat template writes the model's special tokens itself, so don't let the tokenizer add more.
+    ids = _encode(tokenizer, texts, add_special_tokens=not _has_chat_template(tokenizer))
+    records = []
+    for (where, _), text, prompt_ids, truth, source, extra in zip(rows, texts, ids, truths, sources, extras):
+        if not prompt_ids:
+            raise DataError(f"{path}:{where}: the prompt is empty: fill it in or drop the row")
+        prompt_ids, text = _left_truncate(tokenizer, prompt_ids, text, max_len)
+        records.append(PromptRecord(prompt_ids, text, truth, source, extra))
+    return records
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg}): fix or remove the line") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: a line must be a JSON object like "
+                                f'{{"prompt": "..."}}, got {type(row).__name__}')
+            rows.append((str(lineno), row))
+    return rows
+
+
+def _read_parquet(path: Path) -> list[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        raise DataError(f"{path}: not a readable Parquet file ({first}): rewrite it with pyarrow or pandas") from None
+    # Round-trip through JSON so `extra` holds plain values (dates, decimals and bytes become strings).
+    return [(f"row {i}", json.loads(json.dumps(row, default=str))) for i, row in enumerate(table.to_pylist())]
+
+
+def _has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _prompt_text(prompt: Any, tokenizer, where: str, prompt_key: str) -> str:
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt):
+        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    else:
+        raise DataError(f"{where}: {prompt_key!r} must be a string or a list of "
+                        f'{{"role": ..., "content": ...}} messages; got {_short(prompt)}')
+    if _has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def _ground_truth(row: dict) -> str:
+    reward_model = row.get("reward_model")
+    if isinstance(reward_model, dict) and reward_model.get("ground_truth") is not None:
+        value = reward_model["ground_truth"]
+    elif row.get("ground_truth") is not None:
+        value = row["ground_truth"]
+    else:
+        value = row.get("answer")
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+
+
+def _left_truncate(tokenizer, ids: list[int], text: str, max_len: int) -> tuple[list[int], str]:
+    """Keep the last `max_len` tokens: the end of a prompt (the question, the generation prompt) matters most."""
+    if len(ids) <= max_len:
+        return ids, text
+    ids = ids[-max_len:]
+    return ids, tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------------------------
+# The built-in verifiable task: `a+b=` -> `a+b`
+# ----------------------------------------------------------------------------------------------
+
+
+def arithmetic_pairs(max_operand: int) -> list[tuple[int, int]]:
+    """Every distinct (a, b) with 0 <= a, b <= max_operand, in a fixed order."""
+    return [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+
+
+def _arithmetic_records(tokenizer, cfg: DataConfig, split: str, seed: int, max_len: int) -> list[PromptRecord]:
+    # The task is tiny, so "val" is not disjoint from "train": it is every pair once, in a fixed
+    # order, which makes validation accuracy comparable across runs and seeds.
+    if split == "val":
+        pairs = arithmetic_pairs(cfg.arithmetic_max_operand)
+    else:
+        rng = random.Random(seed)
+        top = cfg.arithmetic_max_operand
+        pairs = [(rng.randint(0, top), rng.randint(0, top)) for _ in range(cfg.arithmetic_size)]
+    if not pairs:
+        raise DataError(f"{BUILTIN_ARITHMETIC} has no prompts: set data.arithmetic_size >= 1")
+    # The raw prompt even when the tokenizer has a chat template: the task targets base models.
+    texts = [f"{a}+{b}=" for a, b in pairs]
+    records = []
+    for (a, b), text, ids in zip(pairs, texts, _encode(tokenizer, texts, add_special_tokens=True)):
+        ids, text = _left_truncate(tokenizer, ids, text, max_len)
+        records.append(PromptRecord(ids, text, str(a + b), "arithmetic", {}))
+    return records
+
+
+def format_warmup_batches(tokenizer, max_operand: int, seed: int,
+                          batch_size: int = 64) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Endless `(input_ids, attention_mask, labels)` batches, each [batch_size, T] int64, for a
+    supervised warm-up on the built-in task's answer FORMAT only.
+
+    Each row is `a+b=` then a uniformly random integer in 0..2*max_operand (not a+b) then EOS,
+    right-padded. `labels` copy the answer and EOS tokens and are -100 on the prompt and padding,
+    so the model learns "a number, then stop" but nothing about which number is right.
+    """
+    rng = random.Random(seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    while True:
+        rows = []
+        for _ in range(batch_size):
+            a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+            answer = rng.randint(0, 2 * max_operand)
+            prompt = _encode(tokenizer, [f"{a}+{b}="], add_special_tokens=True)[0]
+            target = _encode(tokenizer, [str(answer)], add_special_tokens=False)[0] + [eos]
+            rows.append((prompt, target))
+        width = max(len(p) + len(t) for p, t in rows)
+        input_ids = torch.full((batch_size, width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
+        labels = torch.full((batch_size, width), -100, dtype=torch.long)
+        for i, (prompt, target) in enumerate(rows):
+            n, m = len(prompt), len(target)
+            input_ids[i, : n + m] = torch.tensor(prompt + target)
+            attention_mask[i, : n + m] = 1
+            labels[i, n : n + m] = torch.tensor(target)
+        yield input_ids, attention_mask, labels
+
+
+# ----------------------------------------------------------------------------------------------
+# Batching
+# ----------------------------------------------------------------------------------------------
+
+
+class PromptLoader:
+    """Endless prompt batches in a resumable, seeded order.
+
+    Epoch e visits every record once, in a permutation seeded by (seed, e) (or in file order when
+    `shuffle` is off). Batches are always `batch_size` long: the last batch of an epoch is filled
+    from the start of the next epoch, so a batch may span two epochs and no prompt is dropped.
+    `state_dict()` is the position of the next record; a loader restored with it yields exactly
+    the batches the uninterrupted one would have.
+    """
+
+    def __init__(self, records: list[PromptRecord], batch_size: int, shuffle: bool = True, seed: int = 0):
+        if not records:
+            raise DataError("no prompts to batch: check data.train_files")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+        self.records = records
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0
+        self._order = self._epoch_order(0)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.shuffle:
+            # A string seed is hashed with SHA-512, so the order is the same in every process.
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def next_batch(self) -> list[PromptRecord]:
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
+            take = self._order[self.index : self.index + self.batch_size - len(batch)]
+            batch += [self.records[i] for i in take]
+            self.index += len(take)
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index <= len(self.records):
+            raise DataError(f"prompt loader state {state} does not fit a dataset of {len(self.records)} prompts: "
+                            f"resume with the same data.train_files, or start a new run (trainer.resume=never)")
+        self.epoch, self.index = epoch, index
+        self._order = self._epoch_order(epoch)

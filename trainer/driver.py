@@ -1,0 +1,434 @@
+"""The training loop. One PPO step reads top to bottom:
+
+    rollout -> rewards -> reference log-probs and values -> advantages -> update actor and critic
+    -> push the new weights to the rollout engines -> log
+
+`train(cfg)` first runs every check that needs no cluster (model, data, reward function, run
+directory), then joins the Ray cluster (or starts a local one), checks the cluster can hold the
+config, starts the roles, and always shuts them down again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checkpoint
+from . import ppo_math as pm
+from .batch import Batch, build_batch
+from .config import Config, ConfigError
+from .data import PromptLoader, PromptRecord, load_prompts
+from .metrics import MetricsLogger, Timer
+from .models import load_tokenizer, quiet_transformers, resolve_path
+from .rewards import resolve_reward_fn
+from .rollout import SamplingSettings
+
+
+@dataclass
+class Inputs:
+    """Everything checked and loaded before any Ray actor starts."""
+
+    model_path: str
+    critic_path: str
+    tokenizer: object
+    train: list[PromptRecord]
+    val: list[PromptRecord]
+
+
+def prepare(cfg: Config) -> Inputs:
+    """The checks that need no cluster: they fail in seconds with one line each."""
+    quiet_transformers()
+    checkpoint.check_writable(cfg.trainer.run_dir)
+    resolve_reward_fn(cfg.reward.function)
+    if cfg.rollout.engine == "vllm":
+        from .vllm_engine import check_vllm_available
+
+        check_vllm_available()
+    model_path = resolve_path(cfg.model.path, cfg)
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    critic_path = resolve_path(cfg.critic.model_path, cfg) if cfg.critic.model_path else model_path
+    d = cfg.data
+    common = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, data_cfg=d, seed=cfg.trainer.seed)
+    train_records = load_prompts(d.train_files, tokenizer, split="train", **common)
+    val_files = d.val_files or ("builtin:arithmetic" if d.train_files == "builtin:arithmetic" else "")
+    val_records = load_prompts(val_files, tokenizer, split="val", **common) if val_files else []
+    return Inputs(model_path, critic_path, tokenizer, train_records, val_records)
+
+
+def connect_ray(cfg: Config, cpus_needed: float) -> bool:
+    """Join the cluster this job runs on, or start a local Ray instance. True if we started one."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS", "")
+    if address.startswith("http"):
+        raise ConfigError(f"RAY_ADDRESS={address} is a dashboard address (what `cloudrl submit` uses); the "
+                          f"trainer joins a cluster by its GCS address (host:6379): unset RAY_ADDRESS to run "
+                          f"locally, or submit the job with `cloudrl submit`")
+    quiet = dict(logging_level="WARNING", log_to_driver=True, configure_logging=True)
+    if address:
+        ray.init(address=address, **quiet)
+        return False
+    # Logical CPUs: the roles take turns within a step, so a 2-core laptop can host all of them.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
+             include_dashboard=False, **quiet)
+    return True
+
+
+def train(cfg: Config) -> dict:
+    """Run the whole training job and return its summary."""
+    from .group import launch_roles
+    from .placement import plan
+
+    inputs = prepare(cfg)
+    print("cloudrl trainer, resolved config:\n" + cfg.to_yaml(), flush=True)
+    run_dir = Path(cfg.trainer.run_dir)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    started_ray = connect_ray(cfg, sum(r.total("CPU") for r in plan(cfg)))
+    try:
+        roles = launch_roles(cfg, inputs.model_path, inputs.critic_path)
+        try:
+            record_placement(roles, run_dir)
+            return Trainer(cfg, roles, inputs).fit()
+        finally:
+            roles.shutdown()
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+def record_placement(roles, run_dir: Path) -> None:
+    """Where every worker runs: printed once and saved as run_dir/placement.json."""
+    where = {g.name: g.where() for g in roles.groups()}
+    (run_dir / "placement.json").write_text(json.dumps(where, indent=1))
+    for name, workers in where.items():
+        nodes = sorted({w["node_id"][:8] for w in workers})
+        print(f"placement: {name}: {len(workers)} worker(s) on node(s) {', '.join(nodes)}", flush=True)
+
+
+@dataclass
+class History:
+    """Rewards worth reporting at the end; saved with checkpoints so a resumed run reports them too."""
+
+    val_before: float | None = None
+    val_last: float | None = None
+    first_reward: float | None = None
+    last_reward: float | None = None
+    resumed_from: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, roles, inputs: Inputs):
+        self.cfg, self.roles, self.inputs = cfg, roles, inputs
+        self.tokenizer = inputs.tokenizer
+        self.loader = PromptLoader(inputs.train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
+        a = cfg.algorithm
+        self.kl_ctl = (pm.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target > 0
+                       else pm.FixedKLController(a.kl_coef))
+        self.history = History()
+        self.step = 0
+
+    # ------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg = self.cfg
+        self.maybe_resume()
+        logger = MetricsLogger(cfg, cfg.trainer.run_dir, self.step)
+        try:
+            if self.step == 0 and self.inputs.val:
+                self.history.val_before = self.history.val_last = self.validate()["val/reward_mean"]
+                logger.log(0, {"val/reward_mean": self.history.val_before})
+            last_ckpt = checkpoint.latest(cfg.trainer.run_dir)
+            while self.step < cfg.trainer.total_steps:
+                self.step += 1
+                metrics = self.ppo_step(self.loader.next_batch())
+                if self.inputs.val and cfg.trainer.val_every and self.step % cfg.trainer.val_every == 0:
+                    metrics.update(self.validate())
+                if self.step == cfg.trainer.total_steps and self.inputs.val and "val/reward_mean" not in metrics:
+                    metrics.update(self.validate())
+                if "val/reward_mean" in metrics:
+                    self.history.val_last = metrics["val/reward_mean"]
+                logger.log(self.step, metrics)
+                save_every = cfg.trainer.save_every
+                if (save_every and self.step % save_every == 0) or self.step == cfg.trainer.total_steps:
+                    last_ckpt = self.save_checkpoint()
+        finally:
+            logger.close()
+        return self.finish(last_ckpt)
+
+    # ------------------------------------------------------------------------------------------
+    def ppo_step(self, prompts: list[PromptRecord]) -> dict:
+        import ray
+
+        cfg, roles, timer = self.cfg, self.roles, Timer()
+        n = cfg.rollout.n
+        kl_coef = self.kl_ctl.value
+        with timer("step"):
+            # ---- 1. Rollout: n samples per prompt, grouped per prompt.
+            with timer("rollout"):
+                settings = SamplingSettings.from_config(cfg.rollout, seed=cfg.trainer.seed * 100_003 + self.step)
+                completions = self.generate([p.prompt_ids for p in prompts], settings)
+                records = [p for p in prompts for _ in range(n)]
+                batch = build_batch([r.prompt_ids for r in records], [c.token_ids for c in completions],
+                                    self.tokenizer.pad_token_id, [c.logprobs for c in completions])
+                if cfg.rollout.sleep_between_rollouts:
+                    ray.get([e.sleep.remote() for e in roles.rollout.workers])
+
+            # ---- 2. Rewards.
+            with timer("reward"):
+                scores = self.score([c.token_ids for c in completions], records)
+
+            # ---- 3. Log-probs of the sampling policy, the reference, and the critic's values.
+            mask = batch["response_mask"]
+            model_inputs = batch.only("input_ids", "attention_mask", "response_mask")
+            on_policy = self.on_policy()
+            with timer("ref"):
+                if not on_policy:
+                    batch["old_logprobs"] = self.run_sharded(roles.actor, "logprobs", model_inputs)
+                if cfg.uses_reference:
+                    group = roles.reference or roles.actor
+                    batch["ref_logprobs"] = self.run_sharded(group, "ref_logprobs", model_inputs)
+            with timer("values"):
+                if cfg.uses_critic:
+                    batch["values"] = self.run_sharded(roles.critic, "values", model_inputs)
+
+            # ---- 4. Advantages (pure torch, ppo_math).
+            with timer("adv"):
+                metrics = self.compute_advantages(batch, scores, kl_coef)
+
+            # ---- 5. Update actor and critic (in parallel; each is data-parallel over its workers).
+            with timer("update"):
+                t0 = time.perf_counter()
+                actor_keys = ["input_ids", "attention_mask", "response_mask", "advantages"]
+                actor_keys += [k for k in ("old_logprobs", "ref_logprobs", "is_weights", "engine_logprobs") if k in batch]
+                shards, norms = update_shards(batch.only(*actor_keys), roles.actor.world_size, cfg.actor, self.update_seed)
+                actor_refs = [w.update.remote(s, norms, kl_coef) for w, s in zip(roles.actor.workers, shards)]
+                critic_refs = []
+                if cfg.uses_critic:
+                    shards, norms = update_shards(
+                        batch.only("input_ids", "attention_mask", "response_mask", "values", "returns"),
+                        roles.critic.world_size, cfg.critic, self.update_seed)
+                    critic_refs = [w.update.remote(s, norms) for w, s in zip(roles.critic.workers, shards)]
+                metrics.update(combine(ray.get(actor_refs)))
+                metrics["timing/update_actor"] = time.perf_counter() - t0
+                if critic_refs:
+                    metrics.update(combine(ray.get(critic_refs)))
+                    metrics["timing/update_critic"] = time.perf_counter() - t0
+
+            # ---- 6. Push the new policy weights to every engine (no disk round trip).
+            with timer("sync"):
+                self.sync_weights()
+
+        # ---- 7. Log.
+        self.kl_ctl.update(metrics.get("actor/kl_seq", 0.0), batch.size)
+        reward_mean = float(scores.mean())
+        self.history.first_reward = self.history.first_reward if self.history.first_reward is not None else reward_mean
+        self.history.last_reward = reward_mean
+        metrics.update(timer.times)
+        metrics.update({
+            "rollout/reward_mean": reward_mean,
+            "rollout/reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
+            "rollout/response_length": float(mask.sum(-1).mean()),
+            "rollout/truncated": sum(c.finish_reason == "length" for c in completions) / len(completions),
+            "actor/kl_coef": kl_coef,
+            "perf/tokens_per_s": float(mask.sum()) / metrics["timing/step"],
+        })
+        return metrics
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def update_seed(self) -> int:
+        return self.cfg.trainer.seed * 7919 + self.step
+
+    def on_policy(self) -> bool:
+        """One epoch over one mini-batch: the sampling policy is the current one, so its log-probs
+        come from the update's own forward pass instead of an extra pass."""
+        cfg = self.cfg
+        needs_old = cfg.uses_reference and cfg.algorithm.kl_mode == "reward"
+        return (cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size == cfg.rollout_batch_size
+                and not needs_old and not cfg.rollout.logprob_correction)
+
+    def compute_advantages(self, batch: Batch, scores: torch.Tensor, kl_coef: float) -> dict:
+        cfg, alg = self.cfg, self.cfg.algorithm
+        mask, n = batch["response_mask"], cfg.rollout.n
+        metrics: dict[str, float] = {}
+        kl = None
+        if "ref_logprobs" in batch and "old_logprobs" in batch:
+            kl = pm.kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * mask
+            metrics["actor/kl"] = float(pm.masked_mean(kl, mask))
+            metrics["actor/kl_seq"] = float(kl.sum(-1).mean())
+        in_reward = kl is not None and alg.kl_mode == "reward"
+        if "old_logprobs" in batch:
+            metrics["rollout/logprob_diff"] = float(pm.masked_mean((batch["old_logprobs"] - batch["engine_logprobs"]).abs(), mask))
+            if cfg.rollout.logprob_correction:
+                ratio = torch.exp(batch["old_logprobs"] - batch["engine_logprobs"])
+                batch["is_weights"] = ratio.clamp(max=cfg.rollout.logprob_correction_cap) * mask
+        rewards = pm.token_level_rewards(scores, mask, kl if in_reward else None, kl_coef if in_reward else 0.0)
+        seq_scores = scores - kl_coef * kl.sum(-1) if in_reward else scores
+        if alg.name == "ppo":
+            advantages, returns = pm.gae_advantages(rewards, batch["values"], mask, alg.gamma, alg.lam)
+            metrics["critic/explained_var"] = pm.explained_variance(batch["values"], returns, mask)
+            metrics["critic/values_mean"] = float(pm.masked_mean(batch["values"], mask))
+            batch["returns"] = returns
+            if alg.whiten_advantages and mask.sum() >= 2:
+                advantages = pm.masked_whiten(advantages, mask)
+        elif alg.name == "grpo":
+            advantages = pm.broadcast_to_tokens(pm.grpo_advantages(seq_scores, n, alg.grpo_norm_by_std), mask)
+        elif alg.name == "rloo":
+            advantages = pm.broadcast_to_tokens(pm.rloo_advantages(seq_scores, n), mask)
+        elif alg.name == "reinforce_pp":
+            advantages = pm.reinforce_pp_advantages(rewards, mask, alg.gamma)
+        else:  # reinforce_pp_baseline
+            advantages = pm.reinforce_pp_baseline_advantages(seq_scores, mask, n)
+        batch["advantages"] = advantages * mask
+        metrics["actor/advantages_mean"] = float(pm.masked_mean(advantages, mask))
+        return metrics
+
+    def run_sharded(self, group, method: str, batch: Batch) -> torch.Tensor:
+        """Split `batch` over a group's workers for an inference method and concatenate the results."""
+        import ray
+
+        shards = [s for s in (batch.select(idx) for idx in torch.arange(batch.size).tensor_split(group.world_size))]
+        refs = [getattr(w, method).remote(s) for w, s in zip(group.workers, shards) if s.size]
+        return torch.cat(ray.get(refs))
+
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list:
+        import ray
+
+        engines = self.roles.rollout.workers
+        chunks = [c.tolist() for c in torch.arange(len(prompts)).tensor_split(len(engines))]
+        refs = [e.generate.remote([prompts[i] for i in idx], settings) for e, idx in zip(engines, chunks) if idx]
+        return [c for part in ray.get(refs) for c in part]
+
+    def score(self, responses: list[list[int]], records: list[PromptRecord]) -> torch.Tensor:
+        import ray
+
+        workers = self.roles.reward.workers
+        chunks = [c.tolist() for c in torch.arange(len(responses)).tensor_split(len(workers))]
+        refs = [w.score.remote([responses[i] for i in idx], [records[i] for i in idx])
+                for w, idx in zip(workers, chunks) if idx]
+        return torch.cat([scores for scores, _texts in ray.get(refs)])
+
+    def sync_weights(self) -> None:
+        """Rank 0's weights go into the object store once; every engine reads them from there."""
+        import ray
+
+        engines = self.roles.rollout.workers
+        if self.cfg.rollout.sleep_between_rollouts:
+            ray.get([e.wake.remote() for e in engines])
+        weights = [w.weights.remote() for w in self.roles.actor.workers]
+        ray.get([e.load_weights.remote(weights[0]) for e in engines] + weights[1:])
+
+    def validate(self) -> dict:
+        records = self.inputs.val
+        settings = SamplingSettings.from_config(self.cfg.rollout, seed=0, greedy=True)
+        out, scores = [], []
+        size = self.cfg.data.val_batch_size
+        for start in range(0, len(records), size):
+            chunk = records[start:start + size]
+            completions = self.generate([r.prompt_ids for r in chunk], settings)
+            scores.append(self.score([c.token_ids for c in completions], chunk))
+            out += completions
+        return {"val/reward_mean": float(torch.cat(scores).mean())}
+
+    # ------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        import ray
+
+        parts = {"actor": ray.get([w.get_state.remote() for w in self.roles.actor.workers])[0]}
+        if self.roles.critic is not None:
+            parts["critic"] = ray.get([w.get_state.remote() for w in self.roles.critic.workers])[0]
+        state = {"step": self.step, "data": self.loader.state_dict(), "kl": self.kl_ctl.state_dict(),
+                 "history": self.history.__dict__}
+        return checkpoint.save(self.cfg.trainer.run_dir, self.step, parts, state, self.cfg.to_yaml(),
+                               self.cfg.trainer.keep_last)
+
+    def maybe_resume(self) -> None:
+        import ray
+
+        path = checkpoint.resolve_resume(self.cfg.trainer.run_dir, self.cfg.trainer.resume)
+        if path is None:
+            return
+        parts, state = checkpoint.load(path, ["actor", "critic"])
+        refs = []
+        for group, name in ((self.roles.actor, "actor"), (self.roles.critic, "critic")):
+            if group is not None and name in parts:
+                part = ray.put(parts[name])
+                refs += [w.set_state.remote(part) for w in group.workers]
+        ray.get(refs)
+        self.step = state["step"]
+        self.loader.load_state_dict(state["data"])
+        self.kl_ctl.load_state_dict(state["kl"])
+        self.history = History(**state["history"])
+        self.history.resumed_from = self.step
+        self.sync_weights()
+        print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def finish(self, last_ckpt: Path | None) -> dict:
+        import ray
+
+        cfg, h = self.cfg, self.history
+        export = None
+        if cfg.trainer.export_hf:
+            export = str(Path(cfg.trainer.run_dir).resolve() / "hf_model")
+            ray.get([w.export_hf.remote(export) for w in self.roles.actor.workers])
+        summary = {"steps": self.step, "resumed_from": h.resumed_from, "val_reward_before_rl": h.val_before,
+                   "val_reward_after_rl": h.val_last, "rollout_reward_first": h.first_reward,
+                   "rollout_reward_last": h.last_reward, "checkpoint": str(last_ckpt) if last_ckpt else None,
+                   "exported_model": export, "metrics": str(Path(cfg.trainer.run_dir).resolve() / "metrics.jsonl")}
+        (Path(cfg.trainer.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(format_summary(summary), flush=True)
+        return summary
+
+
+def update_shards(batch: Batch, world: int, role_cfg, seed: int) -> tuple[list[Batch], list[float]]:
+    """Split a step's sequences into mini-batches (shuffled per epoch) and give each rank its
+    contiguous part of every mini-batch. Returns the per-rank batches and each mini-batch's global
+    response-token count, the loss normaliser that makes W ranks add up to one big batch."""
+    n, mini = batch.size, role_cfg.mini_batch_size
+    gen = torch.Generator().manual_seed(seed)
+    parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    normalizers: list[float] = []
+    for _ in range(role_cfg.ppo_epochs):
+        order = torch.randperm(n, generator=gen) if n > mini else torch.arange(n)
+        for start in range(0, n, mini):
+            idx = order[start:start + mini]
+            normalizers.append(max(float(batch["response_mask"][idx].sum()), 1.0))
+            for rank, chunk in enumerate(idx.chunk(world)):
+                parts[rank].append(chunk)
+    return [batch.select(torch.cat(p)) for p in parts], normalizers
+
+
+def combine(results: list[dict]) -> dict:
+    """Token-weighted means over ranks of the statistics workers accumulated."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for r in results:
+        for k, v in r["sums"].items():
+            sums[k] = sums.get(k, 0.0) + v
+            weights[k] = weights.get(k, 0.0) + r["weights"][k]
+    return {k: sums[k] / weights[k] if weights[k] else float("nan") for k in sums}
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def format_summary(s: dict) -> str:
+    lines = ["summary:", f"  steps:            {s['steps']}" + (f" (resumed at step {s['resumed_from']})"
+                                                              if s["resumed_from"] else "")]
+    lines.append(f"  val reward:       {_fmt(s['val_reward_before_rl'])} before RL -> {_fmt(s['val_reward_after_rl'])} "
+                 f"after (greedy, held-out prompts)")
+    lines.append(f"  rollout reward:   {_fmt(s['rollout_reward_first'])} first step -> {_fmt(s['rollout_reward_last'])} last step")
+    lines.append(f"  checkpoint:       {s['checkpoint']}")
+    lines.append(f"  exported model:   {s['exported_model'] or 'off (trainer.export_hf=false)'}")
+    lines.append(f"  metrics:          {s['metrics']}")
+    return "\n".join(lines)

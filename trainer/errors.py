@@ -1,0 +1,20 @@
+"""The trainer's expected failures: each message names the problem and the fix."""
+
+from .config import ConfigError
+from .models import ModelLoadError
+
+
+class DataError(ValueError):
+    """A dataset or reward function the trainer cannot use."""
+
+
+class PlacementTimeout(RuntimeError):
+    """Ray could not place a role's workers in time."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that cannot be written or read."""
+
+
+# What `python -m cloudrl.trainer` reports as one line instead of a traceback.
+TrainerError = (ConfigError, ModelLoadError, DataError, PlacementTimeout, CheckpointError)

@@ -1,0 +1,101 @@
+"""Metric sinks: a console line per step, a JSONL file, TensorBoard, and W&B when configured.
+
+Names carry their namespace (`rollout/reward_mean`, `actor/pg_loss`, `timing/step`). The console
+line has a fixed shape that `cloudrl status` reads back from the job logs:
+
+    step 3/40 [###.......] | rollout/reward_mean=0.531 actor/pg_loss=-0.012 ... | 1.23 s/step
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+CONSOLE_KEYS = ("rollout/reward_mean", "val/reward_mean", "rollout/response_length", "actor/pg_loss",
+                "actor/approx_kl", "actor/entropy", "critic/vf_loss", "critic/explained_var", "perf/tokens_per_s")
+
+
+class MetricsLogger:
+    def __init__(self, cfg, run_dir: str, resumed_step: int = 0):
+        self.total = cfg.trainer.total_steps
+        self.sinks = set(cfg.trainer.loggers)
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a") if "jsonl" in self.sinks else None
+        self.tb = None
+        if "tensorboard" in self.sinks:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resumed_step + 1 or None)
+        self.wandb = None
+        if "wandb" in self.sinks:
+            self.wandb = _start_wandb(cfg)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: float(v) for k, v in metrics.items()}
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+            self.jsonl.flush()
+        if self.tb:
+            for k, v in clean.items():
+                if math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb:
+            self.wandb.log(clean, step=step)
+        if "console" in self.sinks:
+            print(self.console_line(step, clean), flush=True)
+
+    def console_line(self, step: int, metrics: dict[str, float]) -> str:
+        filled = round(10 * step / max(self.total, 1))
+        bar = "#" * filled + "." * (10 - filled)
+        shown = " ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+        secs = metrics.get("timing/step")
+        return f"step {step}/{self.total} [{bar}] | {shown}" + (f" | {secs:.2f} s/step" if secs else "")
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def _start_wandb(cfg):
+    if not os.environ.get("WANDB_API_KEY"):
+        print("warning: trainer.loggers has wandb but WANDB_API_KEY is not set; pass it with "
+              "`cloudrl submit --env WANDB_API_KEY`. Logging to W&B is off.", file=sys.stderr)
+        return None
+    try:
+        import wandb
+    except ImportError:
+        print("warning: trainer.loggers has wandb but the wandb package is missing (pip install wandb); "
+              "logging to W&B is off.", file=sys.stderr)
+        return None
+    # The key stays in the environment, where wandb reads it; it is never printed or saved.
+    return wandb.init(project=cfg.trainer.wandb_project or "cloudrl", config=cfg.to_dict(),
+                      dir=cfg.trainer.run_dir, resume="allow")
+
+
+class Timer:
+    """`with timer("rollout"):` adds `timing/rollout` seconds to the step's metrics."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Span:
+            def __enter__(self):
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.times[f"timing/{name}"] = timer.times.get(f"timing/{name}", 0.0) + time.perf_counter() - self.start
+
+        return _Span()

@@ -1,0 +1,157 @@
+"""What each role asks of the cluster, and whether a cluster can hold it. No Ray here.
+
+A role's workers are placed through one Ray placement group. Each bundle of that group is one node's
+share of the role (a bundle never spans nodes), so the bundle shapes carry the per-node requirement:
+`actor.nodes=2 actor.gpus_per_node=8` is two bundles of 8 GPUs on two different nodes, and a vLLM engine
+with `rollout.tensor_parallel_size=4` is one bundle of 4 GPUs. Colocated roles reuse the bundles of the
+role they sit with. `check_fits` compares all bundles with the cluster's nodes before any actor starts,
+so a cluster that is too small gives a sentence naming the config keys instead of a pending group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import Config, ConfigError
+
+
+class ClusterTooSmall(ConfigError):
+    """The cluster cannot hold what the config asks for."""
+
+
+@dataclass
+class RoleRequest:
+    role: str
+    bundles: list[dict[str, float]]
+    """One dict of Ray resources per bundle; each bundle must fit on one node."""
+    strategy: str
+    """Ray placement strategy: STRICT_PACK, PACK, SPREAD or STRICT_SPREAD."""
+    workers_per_bundle: int
+    keys: str
+    """The config keys behind this request, for messages."""
+    shares: list[str] = field(default_factory=list)
+    """Colocated roles that run inside these bundles."""
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.bundles) * self.workers_per_bundle
+
+    def total(self, resource: str) -> float:
+        return sum(b.get(resource, 0.0) for b in self.bundles)
+
+
+def _role_request(cfg: Config, role: str) -> RoleRequest:
+    rc = getattr(cfg, role)
+    per_node = rc.gpus_per_node if rc.gpus_per_node > 0 else rc.workers_per_node
+    bundle = {"CPU": rc.cpus_per_worker * per_node}
+    if rc.gpus_per_node > 0:
+        bundle["GPU"] = float(rc.gpus_per_node)
+    for name, amount in rc.resources.items():
+        bundle[name] = amount * per_node
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    if rc.nodes == 1:
+        strategy = "STRICT_PACK"
+    else:  # one bundle per node, and the nodes must differ
+        strategy = "STRICT_SPREAD"
+    unit = f"{role}.gpus_per_node={rc.gpus_per_node}" if rc.gpus_per_node else (
+        f"{role}.workers_per_node={rc.workers_per_node} x {role}.cpus_per_worker={rc.cpus_per_worker}")
+    return RoleRequest(role, [dict(bundle) for _ in range(rc.nodes)], strategy, per_node,
+                       keys=f"{role}.nodes={rc.nodes} x {unit}")
+
+
+def _rollout_request(cfg: Config) -> RoleRequest:
+    r = cfg.rollout
+    if r.engine == "vllm":
+        gpus = float(r.tensor_parallel_size) if r.gpus_per_engine > 0 or r.tensor_parallel_size > 1 else 0.0
+        cpus = r.cpus_per_engine * r.tensor_parallel_size
+        keys = f"rollout.num_engines={r.num_engines} x rollout.tensor_parallel_size={r.tensor_parallel_size}"
+    else:
+        gpus, cpus = r.gpus_per_engine, r.cpus_per_engine
+        keys = f"rollout.num_engines={r.num_engines} x rollout.gpus_per_engine={r.gpus_per_engine}"
+    bundle = {"CPU": cpus}
+    if gpus:
+        bundle["GPU"] = gpus
+    bundle.update(r.resources)
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    return RoleRequest("rollout", [dict(bundle) for _ in range(r.num_engines)], "PACK", 1, keys=keys)
+
+
+def plan(cfg: Config) -> list[RoleRequest]:
+    """The placement groups the trainer will create, in creation order."""
+    p = cfg.placement
+    actor = _role_request(cfg, "actor")
+    requests = [actor]
+    if p.colocate_all:
+        # Hybrid engine: everything shares the actor's bundles; engines sleep while the actor trains.
+        actor.shares += ["critic", "reference", "reward", "rollout"]
+        return requests
+    if cfg.uses_reference:
+        if p.colocate_actor_ref:
+            actor.shares.append("reference")
+        else:
+            requests.append(_role_request(cfg, "reference"))
+    if cfg.uses_critic:
+        critic = _role_request(cfg, "critic")
+        requests.append(critic)
+        if p.colocate_critic_reward:
+            critic.shares.append("reward")
+    if not (cfg.uses_critic and p.colocate_critic_reward):
+        requests.append(_role_request(cfg, "reward"))
+    requests.append(_rollout_request(cfg))
+    return requests
+
+
+def _describe_node(node: dict[str, float]) -> str:
+    parts = [f"{node.get('GPU', 0):g} GPUs" if node.get("GPU") else "no GPU", f"{node.get('CPU', 0):g} CPUs"]
+    parts += [f"{v:g} {k}" for k, v in node.items() if k not in ("CPU", "GPU", "memory", "object_store_memory")
+              and not k.startswith("node:") and not k.startswith("accelerator_type")]
+    return ", ".join(parts)
+
+
+def describe_cluster(nodes: list[dict[str, float]]) -> str:
+    if not nodes:
+        return "no alive nodes"
+    shapes: dict[str, int] = {}
+    for n in nodes:
+        shapes[_describe_node(n)] = shapes.get(_describe_node(n), 0) + 1
+    return "; ".join(f"{count} node{'s' if count > 1 else ''} with {shape}" for shape, count in shapes.items())
+
+
+def check_fits(cfg: Config, nodes: list[dict[str, float]]) -> list[RoleRequest]:
+    """Raise ClusterTooSmall unless every role's bundles can be placed on `nodes` at once.
+
+    `nodes` holds each alive node's total resources (Ray's resource names: CPU, GPU, custom ones).
+    """
+    requests = plan(cfg)
+    have = describe_cluster(nodes)
+    # Totals first: the clearest message when a whole resource is missing.
+    for resource in sorted({k for req in requests for b in req.bundles for k in b}):
+        asked = sum(req.total(resource) for req in requests)
+        total = sum(n.get(resource, 0.0) for n in nodes)
+        if asked > total + 1e-9:
+            who = " + ".join(f"{req.total(resource):g} for {req.role} ({req.keys})"
+                             for req in requests if req.total(resource))
+            raise ClusterTooSmall(
+                f"the config asks for {asked:g} {resource} ({who}) but the cluster has {total:g} "
+                f"({have}): lower those keys or add nodes"
+            )
+    # Then shapes: every bundle on one node, strict-spread bundles on distinct nodes.
+    free = [dict(n) for n in nodes]
+    for req in sorted(requests, key=lambda r: -max(b.get("GPU", 0) for b in r.bundles)):
+        used_nodes: set[int] = set()
+        for bundle in req.bundles:
+            candidates = [i for i, n in enumerate(free)
+                          if all(n.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items())
+                          and not (req.strategy == "STRICT_SPREAD" and i in used_nodes)]
+            if not candidates:
+                need = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
+                spread = (f" on {len(req.bundles)} different nodes" if req.strategy == "STRICT_SPREAD" else "")
+                raise ClusterTooSmall(
+                    f"{req.role} needs {need} on one node{spread} ({req.keys}), but no node has that much "
+                    f"free after the other roles ({have}): lower those keys, or use nodes with more"
+                )
+            best = min(candidates, key=lambda i: sum(free[i].values()))  # best fit keeps big nodes free
+            for k, v in bundle.items():
+                free[best][k] = free[best].get(k, 0.0) - v
+            used_nodes.add(best)
+    return requests

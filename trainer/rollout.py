@@ -1,0 +1,134 @@
+"""Rollout engines: the interface the trainer generates through, and the transformers engine.
+
+An engine lives inside a `RolloutWorker` Ray actor (see workers.py). It takes token-id prompts and
+returns, for each prompt, `n` sampled responses (token ids, their log-probs under the engine, and
+why each stopped), grouped consecutively: prompt i's samples are results[i*n:(i+1)*n]. After every
+policy update the trainer pushes the new weights with `load_weights`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass
+class SamplingSettings:
+    n: int = 1
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    greedy: bool = False
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, rollout_cfg, seed: int, greedy: bool = False) -> "SamplingSettings":
+        return cls(n=1 if greedy else rollout_cfg.n, max_new_tokens=rollout_cfg.max_new_tokens,
+                   temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
+                   stop=list(rollout_cfg.stop), greedy=greedy, seed=seed)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    """Generated tokens, including the end-of-sequence token when the model emitted one."""
+    logprobs: list[float]
+    """The engine's log-probability of each generated token (temperature applied)."""
+    finish_reason: str
+    """`stop` (end-of-sequence or a stop string) or `length`."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+class HFEngine:
+    """Generation with transformers' `generate`, on CPU or one GPU."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
+                 trust_remote_code: bool = False):
+        from .models import load_causal_lm, load_tokenizer
+
+        self.tokenizer = load_tokenizer(model_path, trust_remote_code)
+        self.device = torch.device(device)
+        self.model = load_causal_lm(model_path, dtype, trust_remote_code).to(self.device).eval()
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]:
+        from transformers import GenerationConfig
+
+        tok = self.tokenizer
+        width = max(len(p) for p in prompts)
+        pad = tok.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        gen = GenerationConfig(
+            max_new_tokens=settings.max_new_tokens, do_sample=not settings.greedy,
+            temperature=settings.temperature if not settings.greedy else None,
+            top_p=settings.top_p if not settings.greedy and settings.top_p < 1 else None,
+            top_k=settings.top_k if not settings.greedy and settings.top_k > 0 else None,
+            num_return_sequences=settings.n, pad_token_id=pad, eos_token_id=tok.eos_token_id,
+            stop_strings=settings.stop or None, return_dict_in_generate=True, output_logits=True,
+        )
+        torch.manual_seed(settings.seed)
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen,
+                                  tokenizer=tok if settings.stop else None)
+        new_tokens = out.sequences[:, width:]
+        # Log-probs of the sampled tokens from the raw logits at the sampling temperature.
+        logits = torch.stack(out.logits, dim=1).float()
+        if not settings.greedy:
+            logits = logits / settings.temperature
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        results = []
+        for row, lp in zip(new_tokens.tolist(), logprobs.tolist()):
+            length, reason = len(row), "length"
+            for i, t in enumerate(row):
+                if t == tok.eos_token_id:
+                    length, reason = i + 1, "stop"
+                    break
+            if reason == "length" and settings.stop:
+                text = tok.decode(row, skip_special_tokens=True)
+                if any(s in text for s in settings.stop):
+                    reason = "stop"
+                    # generate already stopped this row at the stop string; the rest is padding
+                    while length > 0 and row[length - 1] == pad:
+                        length -= 1
+            results.append(Completion(row[:length], lp[:length], reason))
+        return results
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = params.get(name, buffers.get(name))
+                if target is None:
+                    raise KeyError(f"rollout engine has no weight named {name!r}")
+                target.copy_(tensor.to(target.device, target.dtype))
+
+    def sleep(self) -> None:  # the HF engine keeps its weights; nothing to free on CPU
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+def make_engine(cfg, model_path: str, device: str = "cpu") -> RolloutEngine:
+    """Build the engine `rollout.engine` names."""
+    if cfg.rollout.engine == "hf":
+        return HFEngine(model_path, cfg.model.dtype, device, cfg.model.trust_remote_code)
+    if cfg.rollout.engine == "vllm":
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, cfg)
+    raise ValueError(f"unknown rollout.engine {cfg.rollout.engine!r}")
