@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import CloudrlError
+from .local_cluster import port_free
 from .ray_api import Address, Dashboard
 
 DASHBOARD_PORT = 8265
@@ -61,15 +62,6 @@ def default_run_name() -> str:
                 return str(name)
     raise CloudrlError(f"no {TASK_FILE} here to take the run name from: name the run, "
                        f"`cloudrl dashboard RUN` (`dstack ps` lists your runs)")
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def pick_local_port(wanted: int | None) -> int:

@@ -218,14 +218,15 @@ def _spawn(args: list[str], log: Path) -> dict[str, Any]:
 def _pick_dashboard_port(wanted: int, echo: Echo) -> int:
     if wanted == 0:
         return _free_ports(1)[0]
-    if _port_free(wanted):
+    if port_free(wanted):
         return wanted
     port = _free_ports(1)[0]
     echo(f"port {wanted} is taken on 127.0.0.1 (another cluster or a dstack forward?): the dashboard uses {port}")
     return port
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether a listener could bind `port` on 127.0.0.1 right now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))

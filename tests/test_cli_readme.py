@@ -49,7 +49,7 @@ def parse(args: list[str]) -> None:
 
 
 def test_docs_have_runnable_blocks() -> None:
-    assert DOCS and blocks("test"), "docs/cli.md lost its tested quick-start block"
+    assert DOCS and blocks("test"), "README.md lost its tested quick-start block"
 
 
 @pytest.mark.parametrize("line", cloudrl_lines())

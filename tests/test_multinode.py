@@ -161,7 +161,7 @@ def test_preflight_fails_fast_and_leaves_nothing(two_nodes, tmp_path, overrides,
 
 
 def test_check_fits_messages_without_a_cluster():
-    cfg = load_config("local", ["actor.nodes=2", "actor.workers_per_node=2"])
+    cfg = load_config("local", ["actor.nodes=2", "actor.workers_per_node=2", "actor.micro_batch_size=64"])
     check_fits(cfg, [{"CPU": 4}, {"CPU": 4}])  # two nodes with room for two actor ranks each
     with pytest.raises(ClusterTooSmall, match="on 2 different nodes"):
         check_fits(cfg, [{"CPU": 16}])

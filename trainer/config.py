@@ -149,9 +149,11 @@ class RoleConfig:
 
 
 @dataclass
-class ActorConfig(RoleConfig):
+class TrainedRoleConfig(RoleConfig):
+    """What the two trained roles (actor and critic) share: optimizer, batches, sharding."""
+
     lr: float = 1e-6
-    """Policy learning rate."""
+    """Learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0
@@ -164,6 +166,14 @@ class ActorConfig(RoleConfig):
     """Sequences per optimizer step (global, across workers)."""
     micro_batch_size: int = 16
     """Sequences per forward/backward on one worker."""
+    fsdp: bool = True
+    """Shard parameters with FSDP2 on GPU workers (ignored on CPU)."""
+    cpu_offload: bool = False
+    """FSDP2: keep parameters and optimizer state on CPU."""
+
+
+@dataclass
+class ActorConfig(TrainedRoleConfig):
     clip_low: float = 0.2
     """PPO ratio clip below 1."""
     clip_high: float = 0.2
@@ -172,36 +182,16 @@ class ActorConfig(RoleConfig):
     """Dual-clip bound c > 1 for negative advantages (0 = off)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
-    fsdp: bool = True
-    """Shard parameters with FSDP2 on GPU workers (ignored on CPU)."""
-    cpu_offload: bool = False
-    """FSDP2: keep parameters and optimizer state on CPU."""
 
 
 @dataclass
-class CriticConfig(RoleConfig):
-    model_path: str = ""
-    """Value model; empty = the policy's path (a value head is added)."""
+class CriticConfig(TrainedRoleConfig):
     lr: float = 1e-5
     """Critic learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    warmup_steps: int = 0
-    """Linear learning-rate warm-up (optimizer steps)."""
-    grad_clip: float = 1.0
-    """Max global gradient norm (0 = off)."""
-    ppo_epochs: int = 1
-    """Passes over each rollout batch."""
-    mini_batch_size: int = 64
-    """Sequences per optimizer step (global, across workers)."""
-    micro_batch_size: int = 16
-    """Sequences per forward/backward on one worker."""
+    model_path: str = ""
+    """Value model; empty = the policy's path (a value head is added)."""
     clip_value: float = 0.2
     """Value clipping range (0 = off)."""
-    fsdp: bool = True
-    """Shard parameters with FSDP2 on GPU workers (ignored on CPU)."""
-    cpu_offload: bool = False
-    """FSDP2: keep parameters and optimizer state on CPU."""
 
 
 @dataclass

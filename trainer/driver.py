@@ -136,6 +136,7 @@ class Trainer:
                        else pm.FixedKLController(a.kl_coef))
         self.history = History()
         self.step = 0
+        self.gpu_weight_sync = self.open_gpu_weight_sync()
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -317,13 +318,30 @@ class Trainer:
                 for w, idx in zip(workers, chunks) if idx]
         return torch.cat([scores for scores, _texts in ray.get(refs)])
 
+    def open_gpu_weight_sync(self) -> bool:
+        """vLLM engines on GPUs get weights over NCCL (or CUDA IPC when colocated) instead of the
+        object store. GPU only: not exercised by the CPU test suite."""
+        import ray
+
+        cfg = self.cfg
+        engines_on_gpu = cfg.rollout.gpus_per_engine > 0 or cfg.rollout.tensor_parallel_size > 1 or cfg.placement.colocate_all
+        if not (cfg.rollout.engine == "vllm" and cfg.actor.gpus_per_node > 0 and engines_on_gpu):
+            return False
+        addr, port = ray.get(self.roles.actor.workers[0].master_address.remote())
+        ray.get([w.open_weight_sync.remote(self.roles.rollout.workers, addr, port) for w in self.roles.actor.workers])
+        return True
+
     def sync_weights(self) -> None:
-        """Rank 0's weights go into the object store once; every engine reads them from there."""
+        """Rank 0's weights go into the object store once and every engine reads them from there;
+        on GPUs with vLLM they are broadcast over NCCL (or shared through CUDA IPC) instead."""
         import ray
 
         engines = self.roles.rollout.workers
         if self.cfg.rollout.sleep_between_rollouts:
             ray.get([e.wake.remote() for e in engines])
+        if self.gpu_weight_sync:
+            ray.get([w.push_weights.remote() for w in self.roles.actor.workers])
+            return
         weights = [w.weights.remote() for w in self.roles.actor.workers]
         ray.get([e.load_weights.remote(weights[0]) for e in engines] + weights[1:])
 

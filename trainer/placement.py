@@ -146,9 +146,11 @@ def check_fits(cfg: Config, nodes: list[dict[str, float]]) -> list[RoleRequest]:
             if not candidates:
                 need = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
                 spread = (f" on {len(req.bundles)} different nodes" if req.strategy == "STRICT_SPREAD" else "")
+                ever = any(all(n.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for n in nodes)
+                where = "free after the other roles" if ever else "at all"
                 raise ClusterTooSmall(
                     f"{req.role} needs {need} on one node{spread} ({req.keys}), but no node has that much "
-                    f"free after the other roles ({have}): lower those keys, or use nodes with more"
+                    f"{where} ({have}): lower those keys, or use nodes with more"
                 )
             best = min(candidates, key=lambda i: sum(free[i].values()))  # best fit keeps big nodes free
             for k, v in bundle.items():

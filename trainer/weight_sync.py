@@ -1,6 +1,6 @@
 """New policy weights to the rollout engines after every update, without a disk round trip.
 
-Two paths (docs/vllm.md):
+Two paths (README.md, "vLLM rollouts"):
 
 - Object store (CPU, and the default everywhere; tested). Actor rank 0 gathers the full state dict
   (Hugging Face names, CPU tensors) and returns it from `PolicyWorker.weights`; Ray keeps that one

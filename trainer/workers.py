@@ -271,6 +271,18 @@ class PolicyWorker(TrainableWorker):
         state, _ = self._full_state(with_optimizer=False)
         return list(state.items()) if self.rank == 0 else None
 
+    def open_weight_sync(self, rollout_workers: list, addr: str, port: int) -> None:
+        """GPU only (untested here): an NCCL group with the vLLM engines, or CUDA IPC when they share
+        this worker's GPUs; every actor rank takes part, rank 0 sends."""
+        from .weight_sync import WeightSyncGroup
+
+        self.weight_sync = WeightSyncGroup(
+            self.model, rollout_workers, rank=self.rank, tensor_parallel_size=self.cfg.rollout.tensor_parallel_size,
+            backend="ipc" if self.cfg.placement.colocate_all else "nccl", master_address=addr, master_port=port)
+
+    def push_weights(self) -> None:
+        self.weight_sync.push()
+
     def export_hf(self, path: str) -> str:
         """Save the policy with save_pretrained (rank 0 writes; every rank must call it under FSDP)."""
         if self.rank != 0 and not self.sharded:
@@ -390,6 +402,19 @@ class RolloutWorker(WorkerBase):
 
     def wake(self) -> None:
         self.engine.wake()
+
+    # GPU weight sync (weight_sync.py; vLLM engines only): the trainer side drives these.
+    def init_weight_transfer(self, init_info: dict) -> None:
+        self.engine.init_weight_transfer(init_info)
+
+    def start_weight_update(self) -> None:
+        self.engine.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.engine.update_weights(update_info)
+
+    def finish_weight_update(self) -> None:
+        self.engine.finish_weight_update()
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
