@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
 
     completions_per_step = args.prompts_per_step * args.num_generations
-    out_dir = tempfile.mkdtemp(prefix="trl-grpo-bench-")
+    out_dir = tempfile.mkdtemp(prefix="trl-output-", dir=os.path.dirname(os.path.abspath(args.out)))
     config = GRPOConfig(
         output_dir=out_dir,
         use_cpu=True,

@@ -226,10 +226,6 @@ def merge(runs: list[dict]) -> dict:
     return out
 
 
-def phase_medians(phases: list[dict], names: list[str]) -> dict:
-    return {n: med([p.get(n, 0.0) for p in phases]) for n in names}
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (default 12)")
@@ -283,8 +279,9 @@ def main(argv=None) -> int:
                 trl_runs[t].append(res)
                 log(f"round {rnd}: TRL ({res['threads']} torch threads) {med(res['step_s']):.3f} s/step "
                     f"({time.time() - t0:.0f}s)")
-    except BenchError as exc:
-        print(f"[trl_grpo] error: {exc}", file=sys.stderr)
+    except Exception as exc:  # one clear line (and the logs) instead of a traceback
+        what = str(exc) if isinstance(exc, BenchError) else f"{type(exc).__name__}: {exc}"
+        print(f"[trl_grpo] error: {what}", file=sys.stderr)
         print(f"[trl_grpo] logs kept in {workdir}", file=sys.stderr)
         return 1
 
@@ -312,10 +309,10 @@ def main(argv=None) -> int:
     trl_default = rows[1][2] if len(rows) > 1 else None
     if trl_default is not None:
         ratio = cl_med / med(trl_default["step_s"])
-        print(f"\nratio cloudrl/TRL ({rows[1][1]} threads): {ratio:.2f}x (target <= 1.00x: "
+        print(f"\nratio cloudrl/TRL ({rows[1][1]} threads): {ratio:.3f}x (target <= 1.00x: "
               f"{'met' if ratio <= 1.0 else 'NOT met'})")
         best = min(cl["round_medians"]) / min(trl_default["round_medians"])
-        print(f"ratio of the best rounds (least disturbed by other load): {best:.2f}x")
+        print(f"ratio of the best rounds (least disturbed by other load): {best:.3f}x")
     print("s/step: median of the timed step (cloudrl timing/step; TRL on_step_begin->on_step_end). "
           "wall s/step: median time between consecutive steps' ends (adds logging, data loading).")
 

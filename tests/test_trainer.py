@@ -90,13 +90,15 @@ def test_kill_and_resume_matches_uninterrupted_run(ray_local, tmp_path):
     env = {"RAY_ADDRESS": ray_local, "PYTHONUNBUFFERED": "1"}
     args = [sys.executable, "-m", "cloudrl.trainer", "--preset", "local",
             *tiny_overrides(crashed, **{**common, "trainer.total_steps": 50})]
-    proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    log = tmp_path / "crashed.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
-        deadline = time.time() + 180
-        while not checkpoint.list_checkpoints(str(crashed)) and time.time() < deadline:
+        deadline = time.time() + 300
+        while not checkpoint.list_checkpoints(str(crashed)) and time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        assert checkpoint.list_checkpoints(str(crashed)), "the driver wrote no checkpoint in time"
+        assert checkpoint.list_checkpoints(str(crashed)), f"no checkpoint in time; driver log:\n{log.read_text()[-3000:]}"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = load_config(args.preset, args.overrides)
+        from .cluster import cluster_address, connect, preflight
+
+        if cluster_address(cfg):  # joining a cluster: check it can hold the config before anything heavy
+            connect(cfg)
+            preflight(cfg)
         from .driver import train
 
         train(cfg)

@@ -11,7 +11,6 @@ config, starts the roles, and always shuts them down again.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,8 @@ import torch
 from . import checkpoint
 from . import ppo_math as pm
 from .batch import Batch, build_batch
-from .config import Config, ConfigError
+from .cluster import connect
+from .config import Config
 from .data import PromptLoader, PromptRecord, load_prompts
 from .metrics import MetricsLogger, Timer
 from .models import load_tokenizer, quiet_transformers, resolve_path
@@ -60,27 +60,6 @@ def prepare(cfg: Config) -> Inputs:
     return Inputs(model_path, critic_path, tokenizer, train_records, val_records)
 
 
-def connect_ray(cfg: Config, cpus_needed: float) -> bool:
-    """Join the cluster this job runs on, or start a local Ray instance. True if we started one."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS", "")
-    if address.startswith("http"):
-        raise ConfigError(f"RAY_ADDRESS={address} is a dashboard address (what `cloudrl submit` uses); the "
-                          f"trainer joins a cluster by its GCS address (host:6379): unset RAY_ADDRESS to run "
-                          f"locally, or submit the job with `cloudrl submit`")
-    quiet = dict(logging_level="WARNING", log_to_driver=True, configure_logging=True)
-    if address:
-        ray.init(address=address, **quiet)
-        return False
-    # Logical CPUs: the roles take turns within a step, so a 2-core laptop can host all of them.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
-             include_dashboard=False, **quiet)
-    return True
-
-
 def train(cfg: Config) -> dict:
     """Run the whole training job and return its summary."""
     from .group import launch_roles
@@ -90,7 +69,7 @@ def train(cfg: Config) -> dict:
     print("cloudrl trainer, resolved config:\n" + cfg.to_yaml(), flush=True)
     run_dir = Path(cfg.trainer.run_dir)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    started_ray = connect_ray(cfg, sum(r.total("CPU") for r in plan(cfg)))
+    started_ray = connect(cfg, sum(r.total("CPU") for r in plan(cfg)))
     try:
         roles = launch_roles(cfg, inputs.model_path, inputs.critic_path)
         try:

@@ -1,7 +1,10 @@
 """The trainer's expected failures: each message names the problem and the fix."""
 
 from .config import ConfigError
-from .models import ModelLoadError
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer could not be loaded; the message says what to check."""
 
 
 class DataError(ValueError):

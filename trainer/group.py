@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .cluster import alive_nodes, preflight
 from .errors import PlacementTimeout
-from .placement import RoleRequest, check_fits, describe_cluster, plan
+from .placement import RoleRequest, describe_cluster, plan
 from .workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
 
 # Settings the collective libraries read: passed from the job's environment to every worker, so
@@ -22,12 +23,6 @@ NETWORK_ENV_PREFIXES = ("NCCL_", "GLOO_", "TP_SOCKET_IFNAME", "UCX_", "RCCL_", "
 
 def network_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(NETWORK_ENV_PREFIXES)}
-
-
-def alive_nodes() -> list[dict[str, float]]:
-    import ray
-
-    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
 
 
 class ActorGroup:
@@ -123,7 +118,7 @@ def _slots(request: RoleRequest, count: int, share: float) -> tuple[list[int], d
 
 def launch_roles(cfg, model_path: str, critic_path: str) -> Roles:
     """Check the cluster, create the placement groups and start every role's workers."""
-    requests = check_fits(cfg, alive_nodes())
+    requests = preflight(cfg)
     cfg_dict = cfg.to_dict()
     by_role = {r.role: r for r in requests}
     host_of = {shared: r for r in requests for shared in r.shares}

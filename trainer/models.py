@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import ModelLoadError
+
 BUILTIN_PREFIX = "builtin:"
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 
@@ -24,10 +26,6 @@ PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 TINY_CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=4, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-5,
                    tie_word_embeddings=False)
-
-
-class ModelLoadError(RuntimeError):
-    """A model or tokenizer could not be loaded; the message says what to check."""
 
 
 def quiet_transformers() -> None:

@@ -125,7 +125,8 @@ def check_fits(cfg: Config, nodes: list[dict[str, float]]) -> list[RoleRequest]:
     requests = plan(cfg)
     have = describe_cluster(nodes)
     # Totals first: the clearest message when a whole resource is missing.
-    for resource in sorted({k for req in requests for b in req.bundles for k in b}):
+    # GPUs first: when they are missing, that is the line worth reading, not the CPUs beside them.
+    for resource in sorted({k for req in requests for b in req.bundles for k in b}, key=lambda r: (r != "GPU", r)):
         asked = sum(req.total(resource) for req in requests)
         total = sum(n.get(resource, 0.0) for n in nodes)
         if asked > total + 1e-9:

@@ -76,7 +76,7 @@ class HFEngine:
             max_new_tokens=settings.max_new_tokens, do_sample=not settings.greedy,
             temperature=settings.temperature if not settings.greedy else None,
             top_p=settings.top_p if not settings.greedy and settings.top_p < 1 else None,
-            top_k=settings.top_k if not settings.greedy and settings.top_k > 0 else None,
+            top_k=settings.top_k if not settings.greedy and settings.top_k > 0 else 0,  # 0: off (None means 50)
             num_return_sequences=settings.n, pad_token_id=pad, eos_token_id=tok.eos_token_id,
             stop_strings=settings.stop or None, return_dict_in_generate=True, output_logits=True,
         )
@@ -90,10 +90,11 @@ class HFEngine:
             logits = logits / settings.temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         results = []
+        eos = tok.eos_token_id
         for row, lp in zip(new_tokens.tolist(), logprobs.tolist()):
             length, reason = len(row), "length"
             for i, t in enumerate(row):
-                if t == tok.eos_token_id:
+                if t == eos:
                     length, reason = i + 1, "stop"
                     break
             if reason == "length" and settings.stop:
