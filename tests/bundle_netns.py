@@ -2,7 +2,7 @@
 
 Each node is a network namespace with one veth into a bridge that lives in a namespace of its own with
 no uplink, so the nodes reach each other on 10.213.<net>.0/24 and nothing else. Each node also gets a
-private mount and UTS namespace with its own /tmp (a per-node directory bind-mounted there), as
+private mount and UTS namespace with its own /tmp/ray (a per-node directory bind-mounted there), as
 separate containers would. Where network namespaces are unavailable (not root, no `ip netns`), a
 loopback cluster stands in: every node on its own 127.0.0.x address with its own ports and Ray temp dir.
 
@@ -321,8 +321,9 @@ class NetnsCluster(Cluster):
 
     def node_prefix(self, rank: int) -> list[str]:
         node_tmp = self.workdir / f"node{rank}-tmp"
-        # Private /tmp (so /tmp/ray) and hostname per node, like separate containers.
-        setup = 'mount --bind "$0" /tmp && hostname "$1" && shift && exec "$@"'
+        # Private /tmp/ray (Ray's session directory) and hostname per node, like separate containers.
+        # Only /tmp/ray: the test's own interpreter may live under /tmp and must stay visible.
+        setup = 'mkdir -p /tmp/ray && mount --bind "$0" /tmp/ray && hostname "$1" && shift && exec "$@"'
         return ["ip", "netns", "exec", self.ns[rank], "unshare", "--mount", "--uts",
                 "--propagation", "private", "sh", "-c", setup, str(node_tmp), f"node-{rank}"]
 

@@ -175,20 +175,20 @@ def test_sleep_and_wake_are_no_ops_on_cpu(engine, policy, prompts):
         [c.token_ids for c in policy.generate(prompts, GREEDY)]
 
 
-def test_rollout_worker_actor_gets_weights_through_the_object_store(model_dir, cfg, policy, prompts):
-    ray = pytest.importorskip("ray")
+def test_rollout_worker_actor_gets_weights_through_the_object_store(ray_local, model_dir, cfg, policy, prompts):
+    import ray
+
     from cloudrl.trainer.workers import RolloutWorker
 
     fit(policy.model, policy.tokenizer, ["hello moon"], steps=10)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    worker = ray.remote(num_cpus=1)(RolloutWorker).remote(cfg.to_dict(), model_dir)
     try:
-        worker = ray.remote(num_cpus=1)(RolloutWorker).remote(cfg.to_dict(), model_dir)
         weights = ray.put([(name, p.detach().clone()) for name, p in policy.model.named_parameters()])
         ray.get(worker.load_weights.remote(weights))
         got = ray.get(worker.generate.remote(prompts, GREEDY))
         assert [c.token_ids for c in got] == [c.token_ids for c in policy.generate(prompts, GREEDY)]
     finally:
-        ray.shutdown()
+        ray.kill(worker)
 
 
 def test_ppo_steps_end_to_end_with_two_vllm_engines(tmp_path):
