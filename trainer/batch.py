@@ -35,16 +35,6 @@ class Batch(dict):
         for start in range(0, self.size, size):
             yield self.select(slice(start, start + size))
 
-    @staticmethod
-    def concat(batches: list["Batch"]) -> "Batch":
-        return Batch({k: torch.cat([b[k] for b in batches]) for k in batches[0]})
-
-    def split(self, parts: int) -> list["Batch"]:
-        """`parts` contiguous, equal shards (the size must divide)."""
-        if self.size % parts:
-            raise ValueError(f"cannot split {self.size} sequences into {parts} equal shards")
-        return list(self.chunks(self.size // parts))
-
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding, as generation used them."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -102,7 +102,6 @@ class History:
     first_reward: float | None = None
     last_reward: float | None = None
     resumed_from: int | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class Trainer:
@@ -327,13 +326,12 @@ class Trainer:
     def validate(self) -> dict:
         records = self.inputs.val
         settings = SamplingSettings.from_config(self.cfg.rollout, seed=0, greedy=True)
-        out, scores = [], []
+        scores = []
         size = self.cfg.data.val_batch_size
         for start in range(0, len(records), size):
             chunk = records[start:start + size]
             completions = self.generate([r.prompt_ids for r in chunk], settings)
             scores.append(self.score([c.token_ids for c in completions], chunk))
-            out += completions
         return {"val/reward_mean": float(torch.cat(scores).mean())}
 
     # ------------------------------------------------------------------------------------------

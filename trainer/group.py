@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .cluster import alive_nodes, preflight
 from .errors import PlacementTimeout
-from .placement import RoleRequest, describe_cluster, plan
+from .placement import RoleRequest, describe_cluster
 from .workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
 
 # Settings the collective libraries read: passed from the job's environment to every worker, so
@@ -161,5 +161,3 @@ def launch_roles(cfg, model_path: str, critic_path: str) -> Roles:
             remove_placement_group(pg)
         raise
 
-
-__all__ = ["ActorGroup", "Roles", "launch_roles", "network_env", "plan"]
