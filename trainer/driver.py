@@ -275,7 +275,7 @@ class Trainer:
         """Split `batch` over a group's workers for an inference method and concatenate the results."""
         import ray
 
-        shards = [s for s in (batch.select(idx) for idx in torch.arange(batch.size).tensor_split(group.world_size))]
+        shards = [batch.select(idx) for idx in torch.arange(batch.size).tensor_split(group.world_size)]
         refs = [getattr(w, method).remote(s) for w, s in zip(group.workers, shards) if s.size]
         return torch.cat(ray.get(refs))
 

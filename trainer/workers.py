@@ -145,8 +145,10 @@ class TrainableWorker(WorkerBase):
                                                              get_optimizer_state_dict)
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=self.sharded)
-        model_state = {k: v.detach().to("cpu", copy=True)
-                       for k, v in get_model_state_dict(self.model, options=options).items()}
+        # Unsharded models already hold full tensors: their state_dict is the same, and it is the
+        # cheaper call on the per-step weight-sync path.
+        state = get_model_state_dict(self.model, options=options) if self.sharded else self.model.state_dict()
+        model_state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
         optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=options) if with_optimizer else None
         return model_state, optim_state
 
