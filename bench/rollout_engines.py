@@ -99,8 +99,10 @@ def ray_sync_times(path: str, cfg, named: list, repeats: int) -> list[float]:
     """ray.put of the state dict + a RolloutWorker actor's load_weights, as driver.sync_weights does."""
     import ray
 
+    from cloudrl.trainer.batch import to_wire
     from cloudrl.trainer.workers import RolloutWorker
 
+    named = [(name, to_wire(t)) for name, t in named]  # as PolicyWorker.weights sends them
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         worker = ray.remote(num_cpus=1)(RolloutWorker).remote(cfg.to_dict(), path)
@@ -135,7 +137,7 @@ def main() -> None:
     print(f"model: {n_params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.new_tokens} new tokens, "
           f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs ({platform.machine()})")
 
-    hf = HFEngine(path)
+    hf = HFEngine.load(path)
     hf_time, hf_tokens, _ = timed_generate(hf, prompts, settings, args.repeats)
     print(f"hf    {hf_tokens} tokens in {hf_time:.2f}s")
 

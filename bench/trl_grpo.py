@@ -1,19 +1,23 @@
 """GRPO step time: cloudrl (on Ray) against TRL's GRPOTrainer, same model, prompts and batch.
 
-    python bench/trl_grpo.py                     # 12 steps each, 2 rounds, ~3-4 minutes (+1-2 once for the venv)
-    python bench/trl_grpo.py --steps 20 --rounds 3
+    python bench/trl_grpo.py                     # 2 rounds x 6 runs x 12 steps, ~5 minutes (+1-2 once for the venv)
+    python bench/trl_grpo.py --rounds 4 --threads 2
 
 Run it with the Python that has cloudrl installed (the project's venv): cloudrl runs from this
 interpreter. TRL runs from its own virtualenv, bench/.venv-trl, created on the first run with
 torch, the same transformers as this interpreter, trl (pinned below) and cloudrl itself
 (`pip install -e <repo> --no-deps`, so TRL is scored by cloudrl's own `arithmetic` reward function).
 
-Each round runs, one after the other and each in its own process tree:
-1. cloudrl: `python -m cloudrl.trainer --preset local algorithm.name=grpo ...` (a local Ray instance
-   with its actor, rollout and reward workers); per-step `timing/step` from run_dir/metrics.jsonl.
+Each round runs, one after the other and each in its own process tree, for every thread count
+(--threads, default: the CPU count, which is TRL's default, then 1):
+1. cloudrl: `python -m cloudrl.trainer --preset local algorithm.name=grpo ...` on a local Ray instance,
+   in two layouts (--layouts): `placement.rollout_in_actor=true` (the actor worker generates with the
+   policy it trains, as TRL's single process does) and a separate rollout worker that receives the
+   weights every step; every computing worker reserves that many CPUs, so torch uses that many
+   threads. Per-step `timing/step` from run_dir/metrics.jsonl; the reward worker is a Ray actor in both.
 2. TRL: bench/_trl_worker.py with the venv's Python, GRPOTrainer on the same model directory and
-   prompts; per-step time from a TrainerCallback (on_step_begin -> on_step_end). By default twice:
-   with torch's default thread count, and with one thread (what Ray gives each cloudrl worker).
+   prompts, torch limited to that many threads; per-step time from a TrainerCallback
+   (on_step_begin -> on_step_end).
 The first --skip steps of every run are warm-up and not counted; the table shows the median over
 the counted steps of all rounds. What is matched and why: bench/README.md.
 """
@@ -150,7 +154,7 @@ def cloudrl_overrides(a) -> list[str]:
     ]
 
 
-def prepare_inputs(overrides: list[str], workdir: Path) -> tuple[str, Path, int, str]:
+def prepare_inputs(overrides: list[str], workdir: Path) -> tuple[str, Path, int]:
     """Materialise the model exactly as the cloudrl run will (same config -> same directory) and
     write the training prompts, as text plus cloudrl's token ids, for the TRL worker."""
     from cloudrl.trainer.config import load_config
@@ -167,9 +171,7 @@ def prepare_inputs(overrides: list[str], workdir: Path) -> tuple[str, Path, int,
         for r in records:
             f.write(json.dumps({"prompt": r.prompt_text, "ground_truth": r.ground_truth,
                                 "prompt_ids": r.prompt_ids}) + "\n")
-    # Ray sets OMP_NUM_THREADS to the CPUs each actor reserves: torch's thread count in the workers.
-    threads = f"{max(int(cfg.rollout.cpus_per_engine), 1)} rollout, {max(int(cfg.actor.cpus_per_worker), 1)} actor"
-    return model_dir, prompts, len(records), threads
+    return model_dir, prompts, len(records)
 
 
 def run_cloudrl(overrides: list[str], workdir: Path, tag: str, skip: int) -> dict:
@@ -226,11 +228,19 @@ def merge(runs: list[dict]) -> dict:
     return out
 
 
+# cloudrl's two layouts. Ray gives each worker as many torch threads as CPUs it reserves, so
+# `threads` sets the CPUs of every worker that computes.
+LAYOUTS = {
+    "actor": ("rollout in actor", lambda t: ["placement.rollout_in_actor=true", f"actor.cpus_per_worker={t}"]),
+    "workers": ("rollout worker", lambda t: [f"actor.cpus_per_worker={t}", f"rollout.cpus_per_engine={t}"]),
+}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (default 12)")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps not counted, per run (default 2)")
-    p.add_argument("--rounds", type=int, default=2, help="cloudrl/TRL runs, alternating (default 2)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds; each runs every configuration once (default 2)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate, both sides (default 1e-3)")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--generations", type=int, default=4, help="completions per prompt (default 4)")
@@ -238,20 +248,28 @@ def main(argv=None) -> int:
     p.add_argument("--sft-warmup-steps", type=int, default=0,
                    help="format warm-up of builtin:tiny; 0 (default) keeps the random model, whose "
                         "completions run to ~15 of the 16 tokens, so both sides generate the same amount")
-    p.add_argument("--trl-threads", default="default,1",
-                   help="TRL runs per round, by torch thread count: 'default' (torch's own choice) and/or "
-                        "numbers (default: default,1)")
+    p.add_argument("--threads", default=f"{os.cpu_count() or 1},1",
+                   help="torch thread counts to compare at, each for both sides (default: this machine's "
+                        f"CPU count, which is TRL's default, and 1: {os.cpu_count() or 1},1)")
+    p.add_argument("--layouts", default="actor,workers",
+                   help="cloudrl layouts: actor (placement.rollout_in_actor=true: one process generates and "
+                        "trains, as TRL does) and/or workers (a separate rollout worker; weights synced every "
+                        "step). Default: actor,workers")
     p.add_argument("--cloudrl-extra", default="", metavar="'KEY=VALUE ...'",
-                   help="more cloudrl overrides, space separated, to try a setting "
-                        "(e.g. 'actor.cpus_per_worker=2 rollout.cpus_per_engine=2')")
+                   help="more cloudrl overrides, space separated, to try a setting")
     p.add_argument("--keep", action="store_true", help="keep the run directories and logs")
     a = p.parse_args(argv)
     if a.steps <= a.skip:
         p.error(f"--steps ({a.steps}) must be larger than --skip ({a.skip})")
-    trl_threads = [None if t.strip() == "default" else int(t) for t in a.trl_threads.split(",") if t.strip()]
+    threads = [int(t) for t in a.threads.split(",") if t.strip()]
+    layouts = [x.strip() for x in a.layouts.split(",") if x.strip()]
+    if not threads or any(t < 1 for t in threads):
+        p.error("--threads takes positive integers, e.g. 2,1")
+    if not layouts or any(x not in LAYOUTS for x in layouts):
+        p.error(f"--layouts takes {' and/or '.join(LAYOUTS)}")
 
     try:
-        import cloudrl.trainer  # noqa: F401
+        import cloudrl.trainer  # noqa: F401  (fail here, not in a subprocess)
         import torch
         import transformers
     except ImportError as exc:
@@ -262,22 +280,25 @@ def main(argv=None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="trl-grpo-bench-"))
     load_before = os.getloadavg()
     started = time.time()
+    base = cloudrl_overrides(a)
+    runs: dict[tuple[str, int], list[dict]] = {}  # (side, threads) -> one result per round
     try:
         venv_versions = ensure_trl_venv(transformers.__version__)
-        overrides = cloudrl_overrides(a) + a.cloudrl_extra.split()
-        model_dir, prompts, n_prompts, cl_threads = prepare_inputs(overrides, workdir)
+        model_dir, prompts, n_prompts = prepare_inputs(base + a.cloudrl_extra.split(), workdir)
         log(f"model {model_dir}; {n_prompts} prompts; work dir {workdir}")
-        cl_runs: list[dict] = []
-        trl_runs: dict[int | None, list[dict]] = {t: [] for t in trl_threads}
         for rnd in range(1, a.rounds + 1):
-            t0 = time.time()
-            cl_runs.append(run_cloudrl(overrides, workdir, f"r{rnd}", a.skip))
-            log(f"round {rnd}: cloudrl {med(cl_runs[-1]['step_s']):.3f} s/step ({time.time() - t0:.0f}s)")
-            for t in trl_threads:
+            for t in threads:
+                for layout in layouts:
+                    t0 = time.time()
+                    overrides = base + LAYOUTS[layout][1](t) + a.cloudrl_extra.split()
+                    res = run_cloudrl(overrides, workdir, f"r{rnd}-{layout}-t{t}", a.skip)
+                    runs.setdefault((layout, t), []).append(res)
+                    log(f"round {rnd}: cloudrl, {LAYOUTS[layout][0]}, {t} thread(s): "
+                        f"{med(res['step_s']):.3f} s/step ({time.time() - t0:.0f}s)")
                 t0 = time.time()
-                res = run_trl(a, model_dir, prompts, workdir, f"r{rnd}-t{t or 'default'}", t)
-                trl_runs[t].append(res)
-                log(f"round {rnd}: TRL ({res['threads']} torch threads) {med(res['step_s']):.3f} s/step "
+                res = run_trl(a, model_dir, prompts, workdir, f"r{rnd}-t{t}", t)
+                runs.setdefault(("trl", t), []).append(res)
+                log(f"round {rnd}: TRL, {res['threads']} thread(s): {med(res['step_s']):.3f} s/step "
                     f"({time.time() - t0:.0f}s)")
     except Exception as exc:  # one clear line (and the logs) instead of a traceback
         what = str(exc) if isinstance(exc, BenchError) else f"{type(exc).__name__}: {exc}"
@@ -285,51 +306,55 @@ def main(argv=None) -> int:
         print(f"[trl_grpo] logs kept in {workdir}", file=sys.stderr)
         return 1
 
-    cl = merge(cl_runs)
-    rows = [("cloudrl (Ray)", cl_threads, cl)]
-    for t, runs in trl_runs.items():
-        rows.append((f"TRL GRPOTrainer", f"{runs[0]['threads']}" + (" (default)" if t is None else ""), merge(runs)))
-    cl_med = med(cl["step_s"])
-
     print()
     print(f"GRPO, builtin:tiny on builtin:arithmetic: {a.prompts_per_step} prompts x {a.generations} = "
           f"{a.prompts_per_step * a.generations} completions/step, max {a.max_new_tokens} new tokens, lr {a.lr}, "
           f"beta 0, 1 iteration, float32, CPU")
-    print(f"{a.rounds} round(s) x {a.steps} steps per engine, first {a.skip} of each run skipped")
+    print(f"{a.rounds} round(s) x {a.steps} steps per configuration, first {a.skip} of each run skipped")
     print()
-    head = f"{'engine':<18}{'torch threads':<21}{'s/step':>8}{'wall s/step':>13}{'steps':>7}{'compl. len':>12}" \
-           f"{'cloudrl/this':>14}  per-round medians (best)"
+    head = (f"{'engine':<34}{'threads':>8}{'s/step':>8}{'wall s/step':>13}{'steps':>7}{'compl. len':>12}"
+            f"{'vs TRL':>8}{'rounds':>8}  per-round medians")
     print(head)
     print("-" * len(head))
-    for name, threads, m in rows:
-        ratio = cl_med / med(m["step_s"])
-        print(f"{name:<18}{threads:<21}{med(m['step_s']):>8.3f}{med(m['interval_s']):>13.3f}{len(m['step_s']):>7}"
-              f"{statistics.mean(m['length']):>12.1f}{ratio:>13.2f}x  "
-              + " ".join(f"{x:.3f}" for x in m["round_medians"]) + f" ({min(m['round_medians']):.3f})")
-    trl_default = rows[1][2] if len(rows) > 1 else None
-    if trl_default is not None:
-        ratio = cl_med / med(trl_default["step_s"])
-        print(f"\nratio cloudrl/TRL ({rows[1][1]} threads): {ratio:.3f}x (target <= 1.00x: "
-              f"{'met' if ratio <= 1.0 else 'NOT met'})")
-        best = min(cl["round_medians"]) / min(trl_default["round_medians"])
-        print(f"ratio of the best rounds (least disturbed by other load): {best:.3f}x")
-    print("s/step: median of the timed step (cloudrl timing/step; TRL on_step_begin->on_step_end). "
-          "wall s/step: median time between consecutive steps' ends (adds logging, data loading).")
+    verdicts = []
+    for t in threads:
+        trl = merge(runs[("trl", t)])
+        for side in layouts + ["trl"]:
+            m = merge(runs[(side, t)])
+            name = "TRL GRPOTrainer" if side == "trl" else f"cloudrl (Ray), {LAYOUTS[side][0]}"
+            ratio = med(m["step_s"]) / med(trl["step_s"])
+            # Per round: this configuration's median over TRL's median in the same round (taken
+            # minutes apart, so slow spells of the machine hit both).
+            per_round = [x / y for x, y in zip(m["round_medians"], trl["round_medians"])]
+            print(f"{name:<34}{t:>8}{med(m['step_s']):>8.3f}{med(m['interval_s']):>13.3f}{len(m['step_s']):>7}"
+                  f"{statistics.mean(m['length']):>12.1f}{ratio:>7.2f}x{med(per_round):>7.2f}x  "
+                  + " ".join(f"{x:.3f}" for x in m["round_medians"]))
+            if side != "trl":
+                verdicts.append((name, t, ratio))
+    print("s/step: median over all counted steps (cloudrl timing/step; TRL on_step_begin->on_step_end); "
+          "wall s/step: between consecutive step ends.\nvs TRL: s/step over TRL's at the same thread count; "
+          "rounds: median of the per-round ratios.")
+    print()
+    for name, t, ratio in verdicts:
+        print(f"ratio {name}, {t} thread(s) / TRL: {ratio:.3f}x (target <= 1.00x: {'met' if ratio <= 1.0 else 'NOT met'})")
 
     # Where the time goes: per step, then the median over steps of each part.
     names = ["rollout", "reward", "ref", "adv", "update_actor", "sync"]
-    parts = [{**{n: ph.get(n, 0.0) for n in names}, "other": ph["step"] - sum(ph.get(n, 0.0) for n in names)}
-             for ph in cl["phases"]]
-    print("\ncloudrl step, medians (s): " + "  ".join(f"{n} {med([q[n] for q in parts]):.3f}"
-                                                     for n in names + ["other"]))
-    for name, threads, m in rows[1:]:
-        parts = [{"generate": ph.get("generate", 0.0), "reward": ph.get("reward", 0.0),
-                  "adv+rest of prepare": ph.get("prepare", 0.0) - ph.get("generate", 0.0) - ph.get("reward", 0.0),
-                  "train forward": ph.get("loss_forward", 0.0),
-                  "backward+optimizer+rest": s_ - ph.get("prepare", 0.0) - ph.get("loss_forward", 0.0)}
-                 for ph, s_ in zip(m["phases"], m["step_s"])]
-        print(f"TRL ({threads} threads) step, medians (s): "
-              + "  ".join(f"{k} {med([q[k] for q in parts]):.3f}" for k in parts[0]))
+    print()
+    for (side, t), rs in runs.items():
+        m = merge(rs)
+        if side == "trl":
+            parts = [{"generate": ph.get("generate", 0.0), "reward": ph.get("reward", 0.0),
+                      "adv+rest of prepare": ph.get("prepare", 0.0) - ph.get("generate", 0.0) - ph.get("reward", 0.0),
+                      "train forward": ph.get("loss_forward", 0.0),
+                      "backward+optimizer+rest": s_ - ph.get("prepare", 0.0) - ph.get("loss_forward", 0.0)}
+                     for ph, s_ in zip(m["phases"], m["step_s"])]
+            label = f"TRL, {t} thread(s)"
+        else:
+            parts = [{**{n: ph.get(n, 0.0) for n in names},
+                      "other": ph["step"] - sum(ph.get(n, 0.0) for n in names)} for ph in m["phases"]]
+            label = f"cloudrl, {LAYOUTS[side][0]}, {t} thread(s)"
+        print(f"{label}, medians (s): " + "  ".join(f"{k} {med([q[k] for q in parts]):.3f}" for k in parts[0]))
 
     load_after = os.getloadavg()
     print(f"\nmachine: nproc {os.cpu_count()}, {platform.processor() or platform.machine()}, python "

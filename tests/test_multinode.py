@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from cloudrl.trainer.batch import build_batch
+from cloudrl.trainer.batch import build_batch, from_wire
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.driver import train, update_shards
 from cloudrl.trainer.group import ActorGroup, _slots, create_placement_group
@@ -60,14 +60,14 @@ def test_two_workers_match_one_on_the_same_global_batch(ray_local):
             shards, norms = update_shards(batch, world, cfg.actor, seed=3)
             assert len(norms) == 2 and all(s.size == 32 // world for s in shards)
             ray.get([w.update.remote(s, norms, 0.0) for w, s in zip(group.workers, shards)])
-            results[world] = dict(ray.get(group.workers[0].weights.remote()))
+            results[world] = {k: from_wire(v) for k, v in ray.get(group.workers[0].weights.remote())}
             if world == 2:  # every rank holds the same parameters after the step
                 rank1 = ray.get(group.workers[1].get_state.remote())
                 assert rank1 is None  # only rank 0 hands out state
         finally:
             group.kill()
             remove_placement_group(pg)
-    initial = dict(PolicyWorker(cfg.to_dict(), model_path).weights())
+    initial = {k: from_wire(v) for k, v in PolicyWorker(cfg.to_dict(), model_path).weights()}
     changed = 0
     for name, value in results[1].items():
         torch.testing.assert_close(results[2][name], value, rtol=1e-5, atol=1e-6, msg=name)

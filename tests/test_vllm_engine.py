@@ -74,7 +74,7 @@ def engine(model_dir, cfg):
 
 @pytest.fixture(scope="module")
 def policy(model_dir) -> HFEngine:
-    return HFEngine(model_dir)
+    return HFEngine.load(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -220,6 +220,8 @@ class PlacementConfig:
     """Put reward workers on the critic's GPUs (shared placement group bundles)."""
     colocate_all: bool = False
     """Hybrid engine: every role and the rollout engines share the actor's GPUs."""
+    rollout_in_actor: bool = False
+    """HF engine: the actor's workers generate with the policy they train (no rollout workers, no weight sync)."""
     strategy: str = "pack"
     """Placement-group strategy for multi-node roles: pack or spread."""
     timeout_s: float = 60.0
@@ -495,6 +497,26 @@ def validate(cfg: Config) -> None:
                               f"{role}.gpus_per_node and {role}.cpus_per_worker >= 0")
     if r.engine == "hf" and r.tensor_parallel_size != 1:
         raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
+    if cfg.placement.rollout_in_actor:
+        _check_rollout_in_actor(cfg)
+
+
+def _check_rollout_in_actor(cfg: Config) -> None:
+    r, a = cfg.rollout, cfg.actor
+    if r.engine != "hf":
+        raise ConfigError(f"placement.rollout_in_actor=true needs rollout.engine=hf (got {r.engine}): vLLM engines "
+                          f"run in their own workers; to share the actor's GPUs use placement.colocate_all=true")
+    if r.num_engines != 1 or r.gpus_per_engine:
+        raise ConfigError("rollout.num_engines and rollout.gpus_per_engine do not apply with "
+                          "placement.rollout_in_actor=true (every actor worker generates): remove them and size "
+                          "the actor instead (actor.nodes, actor.gpus_per_node, actor.workers_per_node)")
+    if r.sleep_between_rollouts:
+        raise ConfigError("rollout.sleep_between_rollouts is for vLLM engines: remove it with "
+                          "placement.rollout_in_actor=true (the policy's weights serve both)")
+    if a.gpus_per_node > 0 and a.fsdp and a.world_size > 1:
+        raise ConfigError("placement.rollout_in_actor=true cannot generate with FSDP-sharded actor workers "
+                          "(ranks would have to sample in lockstep): set actor.fsdp=false, or drop "
+                          "placement.rollout_in_actor to use rollout workers")
 
 
 def _check_batches(cfg: Config) -> None:

@@ -91,6 +91,8 @@ def record_placement(roles, run_dir: Path) -> None:
     for name, workers in where.items():
         nodes = sorted({w["node_id"][:8] for w in workers})
         print(f"placement: {name}: {len(workers)} worker(s) on node(s) {', '.join(nodes)}", flush=True)
+    if roles.rollout_in_actor:
+        print("placement: rollout: inside the actor's workers (placement.rollout_in_actor)", flush=True)
 
 
 @dataclass
@@ -294,7 +296,7 @@ class Trainer:
         chunks = [c.tolist() for c in torch.arange(len(responses)).tensor_split(len(workers))]
         refs = [w.score.remote([responses[i] for i in idx], [records[i] for i in idx])
                 for w, idx in zip(workers, chunks) if idx]
-        return torch.cat([scores for scores, _texts in ray.get(refs)])
+        return torch.cat(ray.get(refs))
 
     def open_gpu_weight_sync(self) -> bool:
         """vLLM engines on GPUs get weights over NCCL (or CUDA IPC when colocated) instead of the
@@ -311,9 +313,12 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Rank 0's weights go into the object store once and every engine reads them from there;
-        on GPUs with vLLM they are broadcast over NCCL (or shared through CUDA IPC) instead."""
+        on GPUs with vLLM they are broadcast over NCCL (or shared through CUDA IPC) instead. With the
+        rollout inside the actor the engines already use the trained weights."""
         import ray
 
+        if self.roles.rollout_in_actor:
+            return
         engines = self.roles.rollout.workers
         if self.cfg.rollout.sleep_between_rollouts:
             ray.get([e.wake.remote() for e in engines])

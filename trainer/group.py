@@ -78,8 +78,14 @@ class Roles:
     reference: ActorGroup | None = None
     placement_groups: list = field(default_factory=list)
 
+    @property
+    def rollout_in_actor(self) -> bool:
+        return self.rollout is self.actor
+
     def groups(self) -> list[ActorGroup]:
-        return [g for g in (self.actor, self.critic, self.reference, self.reward, self.rollout) if g is not None]
+        """Every distinct group (with the rollout inside the actor, the actor group once)."""
+        found = [g for g in (self.actor, self.critic, self.reference, self.reward, self.rollout) if g is not None]
+        return [g for i, g in enumerate(found) if all(g is not other for other in found[:i])]
 
     def shutdown(self) -> None:
         from ray.util import remove_placement_group
@@ -145,7 +151,8 @@ def launch_roles(cfg, model_path: str, critic_path: str) -> Roles:
         if cfg.uses_reference and "reference" in by_role:
             reference = start("reference", ReferenceWorker, cfg.reference.world_size, (cfg_dict, model_path))
         reward = start("reward", RewardWorker, cfg.reward.world_size, (cfg_dict, model_path))
-        rollout = start("rollout", RolloutWorker, cfg.rollout.num_engines, (cfg_dict, model_path))
+        rollout = (actor if cfg.placement.rollout_in_actor
+                   else start("rollout", RolloutWorker, cfg.rollout.num_engines, (cfg_dict, model_path)))
         roles = Roles(actor=actor, rollout=rollout, reward=reward, critic=critic, reference=reference,
                       placement_groups=list(pgs.values()))
         for group in (actor, critic):

@@ -83,7 +83,7 @@ def plan(cfg: Config) -> list[RoleRequest]:
     requests = [actor]
     if p.colocate_all:
         # Hybrid engine: everything shares the actor's bundles; engines sleep while the actor trains.
-        actor.shares += ["critic", "reference", "reward", "rollout"]
+        actor.shares += ["critic", "reference", "reward"] + ([] if p.rollout_in_actor else ["rollout"])
         return requests
     if cfg.uses_reference:
         if p.colocate_actor_ref:
@@ -97,7 +97,8 @@ def plan(cfg: Config) -> list[RoleRequest]:
             critic.shares.append("reward")
     if not (cfg.uses_critic and p.colocate_critic_reward):
         requests.append(_role_request(cfg, "reward"))
-    requests.append(_rollout_request(cfg))
+    if not p.rollout_in_actor:  # otherwise the actor's workers generate: no engines of their own
+        requests.append(_rollout_request(cfg))
     return requests
 
 

@@ -3,7 +3,9 @@
 An engine lives inside a `RolloutWorker` Ray actor (see workers.py). It takes token-id prompts and
 returns, for each prompt, `n` sampled responses (token ids, their log-probs under the engine, and
 why each stopped), grouped consecutively: prompt i's samples are results[i*n:(i+1)*n]. After every
-policy update the trainer pushes the new weights with `load_weights`.
+policy update the trainer pushes the new weights with `load_weights`. With
+`placement.rollout_in_actor` an `HFEngine` wraps the policy worker's own model instead, and there is
+nothing to push.
 """
 
 from __future__ import annotations
@@ -42,6 +44,19 @@ class Completion:
     """`stop` (end-of-sequence or a stop string) or `length`."""
 
 
+class Completions(list):
+    """A list of Completion that crosses process boundaries as three plain lists. Pickled one by one
+    (as Ray does with a list of dataclasses), each sample costs a Python-level reducer call."""
+
+    def __reduce__(self):
+        return _completions, ([c.token_ids for c in self], [c.logprobs for c in self],
+                              [c.finish_reason for c in self])
+
+
+def _completions(token_ids: list, logprobs: list, reasons: list) -> Completions:
+    return Completions(Completion(t, lp, r) for t, lp, r in zip(token_ids, logprobs, reasons))
+
+
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]: ...
 
@@ -55,15 +70,19 @@ class RolloutEngine(Protocol):
 class HFEngine:
     """Generation with transformers' `generate`, on CPU or one GPU."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu",
-                 trust_remote_code: bool = False):
+    def __init__(self, model, tokenizer, device: str | torch.device = "cpu"):
+        self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
+
+    @classmethod
+    def load(cls, model_path: str, dtype: str = "float32", device: str = "cpu",
+             trust_remote_code: bool = False) -> "HFEngine":
+        """An engine with its own copy of the model (a rollout worker's)."""
         from .models import load_causal_lm, load_tokenizer
 
-        self.tokenizer = load_tokenizer(model_path, trust_remote_code)
-        self.device = torch.device(device)
-        self.model = load_causal_lm(model_path, dtype, trust_remote_code).to(self.device).eval()
+        model = load_causal_lm(model_path, dtype, trust_remote_code).to(device).eval()
+        return cls(model, load_tokenizer(model_path, trust_remote_code), device)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # cheaper per op than no_grad, and generation needs no autograd at all
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]:
         from transformers import GenerationConfig
 
@@ -127,7 +146,7 @@ class HFEngine:
 def make_engine(cfg, model_path: str, device: str = "cpu") -> RolloutEngine:
     """Build the engine `rollout.engine` names."""
     if cfg.rollout.engine == "hf":
-        return HFEngine(model_path, cfg.model.dtype, device, cfg.model.trust_remote_code)
+        return HFEngine.load(model_path, cfg.model.dtype, device, cfg.model.trust_remote_code)
     if cfg.rollout.engine == "vllm":
         from .vllm_engine import VLLMEngine
 

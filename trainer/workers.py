@@ -1,7 +1,8 @@
 """The roles' worker classes. `group.py` turns them into Ray actors; this module never imports Ray
 at import time, so the classes can be read and tested on their own.
 
-- PolicyWorker     trains the policy (one data-parallel rank); can hold the frozen reference too.
+- PolicyWorker     trains the policy (one data-parallel rank); can hold the frozen reference too,
+                   and can generate with the policy itself (placement.rollout_in_actor).
 - CriticWorker     trains the value model (one data-parallel rank).
 - ReferenceWorker  frozen initial policy, for the KL term.
 - RewardWorker     rule-based reward functions, plus an optional reward model.
@@ -18,7 +19,7 @@ from datetime import timedelta
 import torch
 
 from . import ppo_math as pm
-from .batch import Batch, position_ids
+from .batch import Batch, from_wire, position_ids, to_wire
 from .config import config_from_dict
 
 
@@ -27,9 +28,13 @@ def forward_logprobs(model, batch: Batch, temperature: float, entropy: str = "no
     when `entropy` is "grad" (part of the loss) or "metric" (detached, for logging)."""
     width = batch.prompt_width
     mask = batch["attention_mask"]
+    kwargs = {}
+    keep = batch["input_ids"].shape[1] - width + 1  # the positions that predict response tokens (+ the last)
+    if _accepts_logits_to_keep(model):  # skips the LM head on prompt positions (a vocab-wide matmul each)
+        kwargs["logits_to_keep"] = keep
     logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids(mask),
-                   use_cache=False).logits
-    logits = logits[:, width - 1:-1].float() / temperature
+                   use_cache=False, **kwargs).logits
+    logits = logits[:, -keep:-1].float() / temperature
     logprobs = pm.logprobs_from_logits(logits, batch["input_ids"][:, width:])
     ent = None
     if entropy == "grad":
@@ -38,6 +43,18 @@ def forward_logprobs(model, batch: Batch, temperature: float, entropy: str = "no
         with torch.no_grad():
             ent = pm.entropy_from_logits(logits.detach())
     return logprobs * batch["response_mask"], ent
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    import inspect
+
+    cls = type(model)
+    if cls not in _LOGITS_TO_KEEP:
+        _LOGITS_TO_KEEP[cls] = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return _LOGITS_TO_KEEP[cls]
+
+
+_LOGITS_TO_KEEP: dict[type, bool] = {}
 
 
 def forward_values(model, batch: Batch) -> torch.Tensor:
@@ -110,7 +127,11 @@ class TrainableWorker(WorkerBase):
 
             shard_model(self.model, cpu_offload=rc.cpu_offload)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=rc.lr, weight_decay=rc.weight_decay)
+        # The fused kernel updates every parameter in one call instead of a dozen small ops each;
+        # sharded (DTensor) parameters keep torch's default implementation.
+        fused = True if self.device.type in ("cpu", "cuda") and not self.sharded else None
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=rc.lr, weight_decay=rc.weight_decay,
+                                           fused=fused)
         warmup = rc.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
@@ -199,18 +220,31 @@ class PolicyWorker(TrainableWorker):
         self.model_path = model_path
         self.model = load_causal_lm(model_path, cfg.model.dtype, cfg.model.trust_remote_code)
         self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        self.reference = None
+        self.reference = self.engine = None
         if with_reference:
             self.reference = load_causal_lm(model_path, cfg.model.dtype, cfg.model.trust_remote_code)
             self.reference.to(self.device).eval().requires_grad_(False)
         self._setup_training()
 
-    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], settings) -> list:
+        """Rollout inside the actor (`placement.rollout_in_actor`): sample with the policy being
+        trained, so the engine never needs new weights."""
+        from .rollout import Completions, HFEngine
+
+        if self.engine is None:
+            self.engine = HFEngine(self.model, self.tokenizer, self.device)
+        self.model.eval()
+        try:
+            return Completions(self.engine.generate(prompts, settings))
+        finally:
+            self.model.train()
+
+    @torch.inference_mode()
     def logprobs(self, batch: Batch) -> torch.Tensor:
         """Log-probs of the sampled tokens under the current policy (the PPO `old` log-probs)."""
         return self._inference(self.model, batch)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def ref_logprobs(self, batch: Batch) -> torch.Tensor:
         return self._inference(self.reference, batch)
 
@@ -265,13 +299,13 @@ class PolicyWorker(TrainableWorker):
         acc.add("timing/comm_actor", self.comm_seconds, 1.0)
         return acc.result()
 
-    def weights(self) -> list[tuple[str, torch.Tensor]] | None:
+    def weights(self) -> list[tuple[str, object]] | None:
         """The policy's parameters by Hugging Face name, on CPU, for the rollout engines (rank 0;
         the other ranks only take part in the gather under FSDP and return None)."""
         if self.rank != 0 and not self.sharded:
             return None
         state, _ = self._full_state(with_optimizer=False)
-        return list(state.items()) if self.rank == 0 else None
+        return [(name, to_wire(t)) for name, t in state.items()] if self.rank == 0 else None
 
     def open_weight_sync(self, rollout_workers: list, addr: str, port: int) -> None:
         """GPU only (untested here): an NCCL group with the vLLM engines, or CUDA IPC when they share
@@ -306,7 +340,7 @@ class CriticWorker(TrainableWorker):
         self.model = load_value_model(model_path, self.cfg.model.dtype, self.cfg.model.trust_remote_code)
         self._setup_training()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def values(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
         out = [forward_values(self.model, _to(mb, self.device)).cpu()
@@ -344,7 +378,7 @@ class ReferenceWorker(WorkerBase):
         self.model = load_causal_lm(model_path, self.cfg.model.dtype, self.cfg.model.trust_remote_code)
         self.model.to(self.device).eval().requires_grad_(False)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def ref_logprobs(self, batch: Batch) -> torch.Tensor:
         return torch.cat([forward_logprobs(self.model, _to(mb, self.device), self.cfg.rollout.temperature)[0].cpu()
                           for mb in batch.chunks(self.cfg.reference.micro_batch_size)])
@@ -365,7 +399,7 @@ class RewardWorker(WorkerBase):
             self.rm_tokenizer = load_tokenizer(rm_path)
             self.rm_tokenizer.padding_side = "right"
 
-    def score(self, responses: list[list[int]], records: list) -> tuple[torch.Tensor, list[str]]:
+    def score(self, responses: list[list[int]], records: list) -> torch.Tensor:
         """Scores [N] for the responses to `records` (one PromptRecord per response)."""
         from .rewards import score
 
@@ -373,7 +407,7 @@ class RewardWorker(WorkerBase):
         scores = torch.tensor(score(self.fn, texts, records), dtype=torch.float32)
         if self.reward_model is not None:
             scores += self.cfg.reward.model_weight * self._model_scores([r.prompt_text for r in records], texts)
-        return scores, texts
+        return scores
 
     @torch.no_grad()
     def _model_scores(self, prompts: list[str], texts: list[str]) -> torch.Tensor:
@@ -394,10 +428,13 @@ class RolloutWorker(WorkerBase):
         self.engine = make_engine(self.cfg, model_path, str(self.device))
 
     def generate(self, prompts: list[list[int]], settings) -> list:
-        return self.engine.generate(prompts, settings)
+        from .rollout import Completions
 
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self.engine.load_weights(named_tensors)
+        return Completions(self.engine.generate(prompts, settings))
+
+    def load_weights(self, named_tensors: list[tuple[str, object]]) -> None:
+        """Weights from `PolicyWorker.weights` (numpy arrays on the wire, see batch.to_wire)."""
+        self.engine.load_weights((name, from_wire(t)) for name, t in named_tensors)
 
     def sleep(self) -> None:
         self.engine.sleep()

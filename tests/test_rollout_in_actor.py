@@ -1,0 +1,96 @@
+"""placement.rollout_in_actor: the actor's workers generate with the policy they train."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from cloudrl.trainer.batch import from_wire
+from cloudrl.trainer.config import ConfigError, load_config
+from cloudrl.trainer.driver import train, update_shards
+from cloudrl.trainer.models import load_causal_lm, load_tokenizer, resolve_path
+from cloudrl.trainer.placement import plan
+from cloudrl.trainer.rollout import HFEngine, SamplingSettings
+
+from conftest import tiny_overrides
+from test_multinode import _fixed_batch, _policy_group
+
+pytestmark = pytest.mark.ray
+
+GREEDY = SamplingSettings(max_new_tokens=6, greedy=True)
+
+
+def test_generation_follows_every_update(ray_local):
+    """The engine wraps the trained module itself: after an update, the worker's samples are those
+    of the new weights (checked against a separate copy loaded with them), and differ from before."""
+    import ray
+    from ray.util import remove_placement_group
+
+    cfg = load_config("local", ["placement.rollout_in_actor=true", "actor.lr=0.5", "model.sft_warmup_steps=20",
+                                "data.train_batch_size=8", "rollout.n=4", "actor.mini_batch_size=32",
+                                "actor.micro_batch_size=32", "critic.mini_batch_size=32", "critic.micro_batch_size=32"])
+    model_path = resolve_path(cfg.model.path, cfg)
+    tokenizer = load_tokenizer(model_path)
+    prompts = [tokenizer.encode(f"{a}+{b}=") for a in range(4) for b in range(3)]
+    group, pg = _policy_group(cfg, model_path, world=1)
+    try:
+        worker = group.workers[0]
+        before = [c.token_ids for c in ray.get(worker.generate.remote(prompts, GREEDY))]
+        shards, norms = update_shards(_fixed_batch(cfg, 32), 1, cfg.actor, seed=1)
+        ray.get(worker.update.remote(shards[0], norms, 0.0))
+        after = [c.token_ids for c in ray.get(worker.generate.remote(prompts, GREEDY))]
+        weights = ray.get(worker.weights.remote())
+    finally:
+        group.kill()
+        remove_placement_group(pg)
+
+    copy = load_causal_lm(model_path)
+    copy.load_state_dict({name: from_wire(t) for name, t in weights})
+    expected = [c.token_ids for c in HFEngine(copy.eval(), tokenizer).generate(prompts, GREEDY)]
+    assert after == expected
+    assert after != before, "the update did not change what the worker generates"
+
+
+def test_grpo_with_two_generating_actor_ranks(ray_local, tmp_path):
+    """Two data-parallel actor ranks each sample half the prompts; no rollout workers, no weight sync."""
+    cfg = load_config("local", tiny_overrides(tmp_path, **{
+        "algorithm.name": "grpo", "placement.rollout_in_actor": "true", "actor.workers_per_node": 2,
+        "trainer.val_every": 1}))
+    assert [r.role for r in plan(cfg)] == ["actor", "reward"]
+    summary = train(cfg)
+
+    placement = json.loads((tmp_path / "placement.json").read_text())
+    assert sorted(placement) == ["actor", "reward"] and len(placement["actor"]) == 2
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2]
+    for row in steps:
+        assert row["rollout/response_length"] > 0
+        for key in ("rollout/reward_mean", "actor/pg_loss", "val/reward_mean", "timing/rollout"):
+            assert math.isfinite(row[key]), (key, row)
+        assert row["timing/sync"] < 0.01  # nothing to push
+
+    before = dict(load_causal_lm(resolve_path(cfg.model.path, cfg)).named_parameters())
+    after = load_causal_lm(summary["exported_model"])
+    assert not [n for n, p in after.named_parameters() if torch.equal(p, before[n])]
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("rollout.engine=vllm", "needs rollout.engine=hf"),
+    ("rollout.num_engines=2", "do not apply with placement.rollout_in_actor=true"),
+    ("rollout.sleep_between_rollouts=true", "rollout.sleep_between_rollouts is for vLLM engines"),
+])
+def test_settings_that_contradict_it_are_config_errors(override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config("local", ["placement.rollout_in_actor=true", override])
+
+
+def test_fsdp_sharded_gpu_actor_is_refused():
+    with pytest.raises(ConfigError, match="set actor.fsdp=false"):
+        load_config("local", ["placement.rollout_in_actor=true", "actor.gpus_per_node=2", "actor.micro_batch_size=128"])
+    cfg = load_config("local", ["placement.rollout_in_actor=true", "actor.gpus_per_node=2", "actor.fsdp=false",
+                               "actor.micro_batch_size=128"])
+    assert "rollout" not in [r.role for r in plan(cfg)]
