@@ -1,6 +1,6 @@
 """GRPO step time: cloudrl (on Ray) against TRL's GRPOTrainer, same model, prompts and batch.
 
-    python bench/trl_grpo.py                     # 2 rounds x 6 runs x 12 steps, ~5 minutes (+1-2 once for the venv)
+    python bench/trl_grpo.py                     # 2 rounds x 8 runs x 12 steps, ~6 minutes (+1-2 once for the venv)
     python bench/trl_grpo.py --rounds 4 --threads 2
 
 Run it with the Python that has cloudrl installed (the project's venv): cloudrl runs from this
@@ -11,10 +11,11 @@ torch, the same transformers as this interpreter, trl (pinned below) and cloudrl
 Each round runs, one after the other and each in its own process tree, for every thread count
 (--threads, default: the CPU count, which is TRL's default, then 1):
 1. cloudrl: `python -m cloudrl.trainer --preset local algorithm.name=grpo ...` on a local Ray instance,
-   in two layouts (--layouts): `placement.rollout_in_actor=true` (the actor worker generates with the
-   policy it trains, as TRL's single process does) and a separate rollout worker that receives the
-   weights every step; every computing worker reserves that many CPUs, so torch uses that many
-   threads. Per-step `timing/step` from run_dir/metrics.jsonl; the reward worker is a Ray actor in both.
+   in three layouts (--layouts): `lean` (the actor worker generates with the policy it trains and
+   the driver scores the rule reward, as TRL's single process does both), `actor` (the same with a
+   reward worker) and `workers` (a separate rollout worker that receives the weights every step, and
+   a reward worker). Every computing worker reserves that many CPUs, so torch uses that many
+   threads. Per-step `timing/step` from run_dir/metrics.jsonl.
 2. TRL: bench/_trl_worker.py with the venv's Python, GRPOTrainer on the same model directory and
    prompts, torch limited to that many threads; per-step time from a TrainerCallback
    (on_step_begin -> on_step_end).
@@ -231,6 +232,8 @@ def merge(runs: list[dict]) -> dict:
 # cloudrl's two layouts. Ray gives each worker as many torch threads as CPUs it reserves, so
 # `threads` sets the CPUs of every worker that computes.
 LAYOUTS = {
+    "lean": ("rollout in actor, reward in driver",
+             lambda t: ["placement.rollout_in_actor=true", "reward.in_driver=true", f"actor.cpus_per_worker={t}"]),
     "actor": ("rollout in actor", lambda t: ["placement.rollout_in_actor=true", f"actor.cpus_per_worker={t}"]),
     "workers": ("rollout worker", lambda t: [f"actor.cpus_per_worker={t}", f"rollout.cpus_per_engine={t}"]),
 }
@@ -251,10 +254,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default=f"{os.cpu_count() or 1},1",
                    help="torch thread counts to compare at, each for both sides (default: this machine's "
                         f"CPU count, which is TRL's default, and 1: {os.cpu_count() or 1},1)")
-    p.add_argument("--layouts", default="actor,workers",
-                   help="cloudrl layouts: actor (placement.rollout_in_actor=true: one process generates and "
-                        "trains, as TRL does) and/or workers (a separate rollout worker; weights synced every "
-                        "step). Default: actor,workers")
+    p.add_argument("--layouts", default="lean,actor,workers",
+                   help="cloudrl layouts, any of: lean (placement.rollout_in_actor=true reward.in_driver=true: "
+                        "one worker generates and trains, the driver scores, as TRL's one process does), actor "
+                        "(the same with a reward worker) and workers (a separate rollout worker, weights synced "
+                        "every step, and a reward worker). Default: lean,actor,workers")
     p.add_argument("--cloudrl-extra", default="", metavar="'KEY=VALUE ...'",
                    help="more cloudrl overrides, space separated, to try a setting")
     p.add_argument("--keep", action="store_true", help="keep the run directories and logs")
@@ -266,7 +270,7 @@ def main(argv=None) -> int:
     if not threads or any(t < 1 for t in threads):
         p.error("--threads takes positive integers, e.g. 2,1")
     if not layouts or any(x not in LAYOUTS for x in layouts):
-        p.error(f"--layouts takes {' and/or '.join(LAYOUTS)}")
+        p.error(f"--layouts takes any of {', '.join(LAYOUTS)}")
 
     try:
         import cloudrl.trainer  # noqa: F401  (fail here, not in a subprocess)
@@ -312,7 +316,7 @@ def main(argv=None) -> int:
           f"beta 0, 1 iteration, float32, CPU")
     print(f"{a.rounds} round(s) x {a.steps} steps per configuration, first {a.skip} of each run skipped")
     print()
-    head = (f"{'engine':<34}{'threads':>8}{'s/step':>8}{'wall s/step':>13}{'steps':>7}{'compl. len':>12}"
+    head = (f"{'engine':<52}{'threads':>8}{'s/step':>8}{'wall s/step':>13}{'steps':>7}{'compl. len':>12}"
             f"{'vs TRL':>8}{'rounds':>8}  per-round medians")
     print(head)
     print("-" * len(head))
@@ -326,7 +330,7 @@ def main(argv=None) -> int:
             # Per round: this configuration's median over TRL's median in the same round (taken
             # minutes apart, so slow spells of the machine hit both).
             per_round = [x / y for x, y in zip(m["round_medians"], trl["round_medians"])]
-            print(f"{name:<34}{t:>8}{med(m['step_s']):>8.3f}{med(m['interval_s']):>13.3f}{len(m['step_s']):>7}"
+            print(f"{name:<52}{t:>8}{med(m['step_s']):>8.3f}{med(m['interval_s']):>13.3f}{len(m['step_s']):>7}"
                   f"{statistics.mean(m['length']):>12.1f}{ratio:>7.2f}x{med(per_round):>7.2f}x  "
                   + " ".join(f"{x:.3f}" for x in m["round_medians"]))
             if side != "trl":

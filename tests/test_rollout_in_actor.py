@@ -54,17 +54,24 @@ def test_generation_follows_every_update(ray_local):
     assert after != before, "the update did not change what the worker generates"
 
 
-def test_grpo_with_two_generating_actor_ranks(ray_local, tmp_path):
-    """Two data-parallel actor ranks each sample half the prompts; no rollout workers, no weight sync."""
-    cfg = load_config("local", tiny_overrides(tmp_path, **{
+def _run(run_dir, **extra) -> tuple[dict, list[dict]]:
+    cfg = load_config("local", tiny_overrides(run_dir, **{
         "algorithm.name": "grpo", "placement.rollout_in_actor": "true", "actor.workers_per_node": 2,
-        "trainer.val_every": 1}))
-    assert [r.role for r in plan(cfg)] == ["actor", "reward"]
+        "trainer.val_every": 1, **extra}))
     summary = train(cfg)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
 
-    placement = json.loads((tmp_path / "placement.json").read_text())
+
+def test_grpo_with_two_generating_actor_ranks(ray_local, tmp_path):
+    """Two data-parallel actor ranks each sample half the prompts; no rollout workers, no weight sync.
+    Run twice: rewards scored by a reward worker, then in the driver (reward.in_driver); the same
+    seeds give the same samples, so both must report the same rewards."""
+    cfg = load_config("local", tiny_overrides(tmp_path, **{"placement.rollout_in_actor": "true", "algorithm.name": "grpo"}))
+    assert [r.role for r in plan(cfg)] == ["actor", "reward"]
+    summary, rows = _run(tmp_path / "worker")
+    placement = json.loads((tmp_path / "worker" / "placement.json").read_text())
     assert sorted(placement) == ["actor", "reward"] and len(placement["actor"]) == 2
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
     for row in steps:
@@ -76,6 +83,17 @@ def test_grpo_with_two_generating_actor_ranks(ray_local, tmp_path):
     before = dict(load_causal_lm(resolve_path(cfg.model.path, cfg)).named_parameters())
     after = load_causal_lm(summary["exported_model"])
     assert not [n for n, p in after.named_parameters() if torch.equal(p, before[n])]
+
+    _, driver_rows = _run(tmp_path / "driver", **{"reward.in_driver": "true"})
+    assert sorted(json.loads((tmp_path / "driver" / "placement.json").read_text())) == ["actor"]
+    for key in ("rollout/reward_mean", "rollout/reward_std"):
+        assert driver_rows[1][key] == rows[1][key], key  # step 1: identical samples, identical scores
+    assert driver_rows[0]["val/reward_mean"] == rows[0]["val/reward_mean"]
+
+
+def test_reward_in_driver_refuses_a_reward_model():
+    with pytest.raises(ConfigError, match="reward.in_driver=true scores rule-based rewards only"):
+        load_config("local", ["reward.in_driver=true", "reward.model_path=/some/rm"])
 
 
 @pytest.mark.parametrize("override,expected", [

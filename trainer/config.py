@@ -210,6 +210,8 @@ class RewardConfig(RoleConfig):
     """Weight of the reward model's score."""
     micro_batch_size: int = 32
     """Sequences per reward-model forward pass."""
+    in_driver: bool = False
+    """Score rule-based rewards in the driver process: no reward workers (not with a reward model)."""
 
 
 @dataclass
@@ -280,6 +282,10 @@ class Config:
     @property
     def uses_reference(self) -> bool:
         return self.algorithm.kl_coef > 0
+
+    @property
+    def uses_reward_workers(self) -> bool:
+        return not self.reward.in_driver
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -499,6 +505,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
     if cfg.placement.rollout_in_actor:
         _check_rollout_in_actor(cfg)
+    if cfg.reward.in_driver and cfg.reward.model_path:
+        raise ConfigError("reward.in_driver=true scores rule-based rewards only, but reward.model_path is set: "
+                          "drop one of them (a reward model runs in reward workers)")
 
 
 def _check_rollout_in_actor(cfg: Config) -> None:

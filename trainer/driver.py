@@ -26,6 +26,7 @@ from .data import PromptLoader, PromptRecord, load_prompts
 from .metrics import MetricsLogger, Timer
 from .models import load_tokenizer, quiet_transformers, resolve_path
 from .rewards import resolve_reward_fn
+from .rewards import score as score_texts
 from .rollout import SamplingSettings
 
 
@@ -110,6 +111,7 @@ class Trainer:
     def __init__(self, cfg: Config, roles, inputs: Inputs):
         self.cfg, self.roles, self.inputs = cfg, roles, inputs
         self.tokenizer = inputs.tokenizer
+        self.reward_fn = resolve_reward_fn(cfg.reward.function) if cfg.reward.in_driver else None
         self.loader = PromptLoader(inputs.train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
         a = cfg.algorithm
         self.kl_ctl = (pm.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target > 0
@@ -292,6 +294,9 @@ class Trainer:
     def score(self, responses: list[list[int]], records: list[PromptRecord]) -> torch.Tensor:
         import ray
 
+        if self.roles.reward is None:  # reward.in_driver: rule-based rewards, scored right here
+            texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+            return torch.tensor(score_texts(self.reward_fn, texts, records), dtype=torch.float32)
         workers = self.roles.reward.workers
         chunks = [c.tolist() for c in torch.arange(len(responses)).tensor_split(len(workers))]
         refs = [w.score.remote([responses[i] for i in idx], [records[i] for i in idx])

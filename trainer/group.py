@@ -73,7 +73,7 @@ class ActorGroup:
 class Roles:
     actor: ActorGroup
     rollout: ActorGroup
-    reward: ActorGroup
+    reward: ActorGroup | None
     critic: ActorGroup | None = None
     reference: ActorGroup | None = None
     placement_groups: list = field(default_factory=list)
@@ -150,7 +150,8 @@ def launch_roles(cfg, model_path: str, critic_path: str) -> Roles:
         reference = None
         if cfg.uses_reference and "reference" in by_role:
             reference = start("reference", ReferenceWorker, cfg.reference.world_size, (cfg_dict, model_path))
-        reward = start("reward", RewardWorker, cfg.reward.world_size, (cfg_dict, model_path))
+        reward = (start("reward", RewardWorker, cfg.reward.world_size, (cfg_dict, model_path))
+                  if cfg.uses_reward_workers else None)
         rollout = (actor if cfg.placement.rollout_in_actor
                    else start("rollout", RolloutWorker, cfg.rollout.num_engines, (cfg_dict, model_path)))
         roles = Roles(actor=actor, rollout=rollout, reward=reward, critic=critic, reference=reference,

@@ -83,7 +83,8 @@ def plan(cfg: Config) -> list[RoleRequest]:
     requests = [actor]
     if p.colocate_all:
         # Hybrid engine: everything shares the actor's bundles; engines sleep while the actor trains.
-        actor.shares += ["critic", "reference", "reward"] + ([] if p.rollout_in_actor else ["rollout"])
+        actor.shares += ["critic", "reference"] + (["reward"] if cfg.uses_reward_workers else [])
+        actor.shares += [] if p.rollout_in_actor else ["rollout"]
         return requests
     if cfg.uses_reference:
         if p.colocate_actor_ref:
@@ -93,9 +94,9 @@ def plan(cfg: Config) -> list[RoleRequest]:
     if cfg.uses_critic:
         critic = _role_request(cfg, "critic")
         requests.append(critic)
-        if p.colocate_critic_reward:
+        if p.colocate_critic_reward and cfg.uses_reward_workers:
             critic.shares.append("reward")
-    if not (cfg.uses_critic and p.colocate_critic_reward):
+    if cfg.uses_reward_workers and not (cfg.uses_critic and p.colocate_critic_reward):
         requests.append(_role_request(cfg, "reward"))
     if not p.rollout_in_actor:  # otherwise the actor's workers generate: no engines of their own
         requests.append(_rollout_request(cfg))
