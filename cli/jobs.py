@@ -159,10 +159,7 @@ def follow(dash: Dashboard, job_id: str, out: Callable[[str], Any] | None = None
     """
     write = out or _write_stdout
     job_info(dash, job_id)  # a clear error for an unknown id before opening the stream
-    try:
-        asyncio.run(_stream(dash, job_id, write))
-    except KeyboardInterrupt:
-        raise Detached(job_id) from None
+    _stream_until_interrupted(dash, job_id, write)
     info = job_info(dash, job_id)
     deadline = time.monotonic() + END_GRACE_S
     while not info.status.is_terminal() and time.monotonic() < deadline:  # stream closed a little early
@@ -178,6 +175,31 @@ def follow(dash: Dashboard, job_id: str, out: Callable[[str], Any] | None = None
         message = (info.message or "").strip()
         reason = message.splitlines()[0] if message else "no message"
     raise CloudrlError(f"job {job_id} {info.status}: {reason} (full logs: cloudrl logs {job_id}{dash.address.flag})")
+
+
+def _stream_until_interrupted(dash: Dashboard, job_id: str, write: Callable[[str], Any]) -> None:
+    """Run the log stream in a daemon thread, so Ctrl+C detaches at once: asyncio.run in the main
+    thread would first wait for the stream's pending HTTP calls to finish, which a busy dashboard
+    can drag out for tens of seconds."""
+    import threading
+
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(_stream(dash, job_id, write))
+        except BaseException as exc:  # handed to the main thread
+            failure.append(exc)
+
+    streamer = threading.Thread(target=run, name=f"cloudrl-follow-{job_id}", daemon=True)
+    streamer.start()
+    try:
+        while streamer.is_alive():
+            streamer.join(0.2)
+    except KeyboardInterrupt:
+        raise Detached(job_id) from None
+    if failure:
+        raise failure[0]
 
 
 def _write_stdout(chunk: str) -> None:

@@ -161,36 +161,39 @@ def test_job_runs_the_shipped_trainer_copy(cluster: Cluster, tmp_path: Path) -> 
 
 def test_ctrl_c_detaches_then_stop_reports_stopped(cluster: Cluster, tmp_path: Path) -> None:
     job = "e2e-stop"
-    proc = subprocess.Popen(
-        [CLOUDRL, "submit", "--address", cluster.url, "--name", job, "--follow",
-         "trainer.total_steps=500", "model.sft_warmup_steps=0", f"trainer.run_dir={tmp_path / 'run'}"],
-        env=cluster.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with stop_on_exit(proc):
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
-        deadline = time.monotonic() + 90
-        seen = ""
-        while "Running entrypoint" not in seen:  # the follow stream has started
-            assert time.monotonic() < deadline, f"no log stream within 90 s: {seen}"
-            try:
-                seen += lines.get(timeout=1)
-            except queue.Empty:
-                assert proc.poll() is None, proc.stderr.read()
-        send_sigint(proc)
-        assert proc.wait(30) == 130
-        stderr = proc.stderr.read()
-    assert f"detached from {job}; it keeps running" in stderr
-    assert f"cloudrl stop {job} --address {cluster.url}" in stderr
-    assert wait_for_job_status(cluster.url, job, {"RUNNING"}, 10) == "RUNNING"  # Ctrl+C did not stop it
+    try:
+        proc = subprocess.Popen(
+            [CLOUDRL, "submit", "--address", cluster.url, "--name", job, "--follow",
+             "trainer.total_steps=500", "model.sft_warmup_steps=0", f"trainer.run_dir={tmp_path / 'run'}"],
+            env=cluster.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with stop_on_exit(proc):
+            lines: queue.Queue[str] = queue.Queue()
+            threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+            deadline = time.monotonic() + 90
+            seen = ""
+            while "Running entrypoint" not in seen:  # the follow stream has started
+                assert time.monotonic() < deadline, f"no log stream within 90 s: {seen}"
+                try:
+                    seen += lines.get(timeout=1)
+                except queue.Empty:
+                    assert proc.poll() is None, proc.stderr.read()
+            send_sigint(proc)
+            assert proc.wait(30) == 130
+            stderr = proc.stderr.read()
+        assert f"detached from {job}; it keeps running" in stderr
+        assert f"cloudrl stop {job} --address {cluster.url}" in stderr
+        assert wait_for_job_status(cluster.url, job, {"RUNNING"}, 10) == "RUNNING"  # Ctrl+C did not stop it
 
-    stopped = invoke(["stop", job, "--address", cluster.url])
-    assert stopped.exit_code == 0, stopped.output
-    assert stopped.output.strip() == f"job {job} stopped"
-    status = invoke(["status", job, "--address", cluster.url])
-    assert "status:    STOPPED" in status.output
-    # Following a stopped job ends at once, and not with success.
-    followed = runner.invoke(app, ["logs", job, "--follow", "--address", cluster.url])
-    assert followed.exit_code == 1 and f"job {job} STOPPED" in followed.stderr
+        stopped = invoke(["stop", job, "--address", cluster.url])
+        assert stopped.exit_code == 0, stopped.output
+        assert stopped.output.strip() == f"job {job} stopped"
+        status = invoke(["status", job, "--address", cluster.url])
+        assert "status:    STOPPED" in status.output
+        # Following a stopped job ends at once, and not with success.
+        followed = runner.invoke(app, ["logs", job, "--follow", "--address", cluster.url])
+        assert followed.exit_code == 1 and f"job {job} STOPPED" in followed.stderr
+    finally:  # a failure above must not leave a 500-step job loading the machine for later tests
+        invoke(["stop", job, "--address", cluster.url])  # "had already ended" when the test got that far
 
 
 def test_follow_of_a_failing_job_exits_1_with_the_trainers_error(cluster: Cluster, tmp_path: Path) -> None:
