@@ -207,6 +207,32 @@ def _write_stdout(chunk: str) -> None:
     sys.stdout.flush()
 
 
+async def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Like asyncio.to_thread, but in a daemon thread: the interpreter joins the default executor's
+    threads at exit, so one slow HTTP call there would hold up the exit after Ctrl+C."""
+    import threading
+
+    loop = asyncio.get_running_loop()
+    result: asyncio.Future = loop.create_future()
+
+    def settle(setter: Callable[[Any], None], value: Any) -> None:
+        if not result.done():
+            setter(value)
+
+    def work() -> None:
+        try:
+            outcome = (result.set_result, fn(*args))
+        except BaseException as exc:
+            outcome = (result.set_exception, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is gone: nobody waits for this answer any more
+            pass
+
+    threading.Thread(target=work, daemon=True).start()
+    return await result
+
+
 async def _stream(dash: Dashboard, job_id: str, write: Callable[[str], Any]) -> None:
     client = dash.jobs
 
@@ -227,7 +253,7 @@ async def _stream(dash: Dashboard, job_id: str, write: Callable[[str], Any]) -> 
                                        f"`cloudrl status {job_id}{dash.address.flag}`")
                 return
             # A watchdog beside the stream: a dead tunnel fails this bounded call instead of hanging.
-            info = await asyncio.to_thread(job_info, dash, job_id)
+            info = await _in_daemon_thread(job_info, dash, job_id)
             if info.status.is_terminal():
                 ended_at = ended_at or time.monotonic()
                 if time.monotonic() - ended_at > END_GRACE_S:
