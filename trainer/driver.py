@@ -25,8 +25,7 @@ from .config import Config
 from .data import PromptLoader, PromptRecord, load_prompts
 from .metrics import MetricsLogger, Timer
 from .models import load_tokenizer, quiet_transformers, resolve_path
-from .rewards import resolve_reward_fn
-from .rewards import score as score_texts
+from .rewards import resolve_reward_fn, score_responses
 from .rollout import SamplingSettings
 
 
@@ -295,8 +294,8 @@ class Trainer:
         import ray
 
         if self.roles.reward is None:  # reward.in_driver: rule-based rewards, scored right here
-            texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-            return torch.tensor(score_texts(self.reward_fn, texts, records), dtype=torch.float32)
+            _texts, values = score_responses(self.reward_fn, self.tokenizer, responses, records)
+            return torch.tensor(values, dtype=torch.float32)
         workers = self.roles.reward.workers
         chunks = [c.tolist() for c in torch.arange(len(responses)).tensor_split(len(workers))]
         refs = [w.score.remote([responses[i] for i in idx], [records[i] for i in idx])

@@ -84,8 +84,8 @@ class Roles:
 
     def groups(self) -> list[ActorGroup]:
         """Every distinct group (with the rollout inside the actor, the actor group once)."""
-        found = [g for g in (self.actor, self.critic, self.reference, self.reward, self.rollout) if g is not None]
-        return [g for i, g in enumerate(found) if all(g is not other for other in found[:i])]
+        rollout = None if self.rollout_in_actor else self.rollout
+        return [g for g in (self.actor, self.critic, self.reference, self.reward, rollout) if g is not None]
 
     def shutdown(self) -> None:
         from ray.util import remove_placement_group

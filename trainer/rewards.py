@@ -202,3 +202,9 @@ def score(fn: RewardFn, completions: list[str], records: list[PromptRecord]) -> 
                             f"{want}, each finite")
     return [float(v) for v in result]
 
+
+def score_responses(fn: RewardFn, tokenizer, responses: list[list[int]],
+                    records: list[PromptRecord]) -> tuple[list[str], list[float]]:
+    """Decode generated token ids and score them: what a reward worker and `reward.in_driver` share."""
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return texts, score(fn, texts, records)

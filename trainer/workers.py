@@ -11,6 +11,7 @@ at import time, so the classes can be read and tested on their own.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -30,7 +31,7 @@ def forward_logprobs(model, batch: Batch, temperature: float, entropy: str = "no
     mask = batch["attention_mask"]
     kwargs = {}
     keep = batch["input_ids"].shape[1] - width + 1  # the positions that predict response tokens (+ the last)
-    if _accepts_logits_to_keep(model):  # skips the LM head on prompt positions (a vocab-wide matmul each)
+    if _takes_logits_to_keep(type(model)):  # skips the LM head on prompt positions (a vocab-wide matmul each)
         kwargs["logits_to_keep"] = keep
     logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids(mask),
                    use_cache=False, **kwargs).logits
@@ -45,16 +46,11 @@ def forward_logprobs(model, batch: Batch, temperature: float, entropy: str = "no
     return logprobs * batch["response_mask"], ent
 
 
-def _accepts_logits_to_keep(model) -> bool:
+@functools.cache
+def _takes_logits_to_keep(model_cls: type) -> bool:
     import inspect
 
-    cls = type(model)
-    if cls not in _LOGITS_TO_KEEP:
-        _LOGITS_TO_KEEP[cls] = "logits_to_keep" in inspect.signature(model.forward).parameters
-    return _LOGITS_TO_KEEP[cls]
-
-
-_LOGITS_TO_KEEP: dict[type, bool] = {}
+    return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
 
 
 def forward_values(model, batch: Batch) -> torch.Tensor:
@@ -401,10 +397,10 @@ class RewardWorker(WorkerBase):
 
     def score(self, responses: list[list[int]], records: list) -> torch.Tensor:
         """Scores [N] for the responses to `records` (one PromptRecord per response)."""
-        from .rewards import score
+        from .rewards import score_responses
 
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        scores = torch.tensor(score(self.fn, texts, records), dtype=torch.float32)
+        texts, values = score_responses(self.fn, self.tokenizer, responses, records)
+        scores = torch.tensor(values, dtype=torch.float32)
         if self.reward_model is not None:
             scores += self.cfg.reward.model_weight * self._model_scores([r.prompt_text for r in records], texts)
         return scores
