@@ -159,7 +159,10 @@ def follow(dash: Dashboard, job_id: str, out: Callable[[str], Any] | None = None
     """
     write = out or _write_stdout
     job_info(dash, job_id)  # a clear error for an unknown id before opening the stream
-    _stream_until_interrupted(dash, job_id, write)
+    try:
+        asyncio.run(_stream(dash, job_id, write))
+    except KeyboardInterrupt:
+        raise Detached(job_id) from None
     info = job_info(dash, job_id)
     deadline = time.monotonic() + END_GRACE_S
     while not info.status.is_terminal() and time.monotonic() < deadline:  # stream closed a little early
@@ -177,60 +180,9 @@ def follow(dash: Dashboard, job_id: str, out: Callable[[str], Any] | None = None
     raise CloudrlError(f"job {job_id} {info.status}: {reason} (full logs: cloudrl logs {job_id}{dash.address.flag})")
 
 
-def _stream_until_interrupted(dash: Dashboard, job_id: str, write: Callable[[str], Any]) -> None:
-    """Run the log stream in a daemon thread, so Ctrl+C detaches at once: asyncio.run in the main
-    thread would first wait for the stream's pending HTTP calls to finish, which a busy dashboard
-    can drag out for tens of seconds."""
-    import threading
-
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            asyncio.run(_stream(dash, job_id, write))
-        except BaseException as exc:  # handed to the main thread
-            failure.append(exc)
-
-    streamer = threading.Thread(target=run, name=f"cloudrl-follow-{job_id}", daemon=True)
-    streamer.start()
-    try:
-        while streamer.is_alive():
-            streamer.join(0.2)
-    except KeyboardInterrupt:
-        raise Detached(job_id) from None
-    if failure:
-        raise failure[0]
-
-
 def _write_stdout(chunk: str) -> None:
     sys.stdout.write(chunk)
     sys.stdout.flush()
-
-
-async def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """Like asyncio.to_thread, but in a daemon thread: the interpreter joins the default executor's
-    threads at exit, so one slow HTTP call there would hold up the exit after Ctrl+C."""
-    import threading
-
-    loop = asyncio.get_running_loop()
-    result: asyncio.Future = loop.create_future()
-
-    def settle(setter: Callable[[Any], None], value: Any) -> None:
-        if not result.done():
-            setter(value)
-
-    def work() -> None:
-        try:
-            outcome = (result.set_result, fn(*args))
-        except BaseException as exc:
-            outcome = (result.set_exception, exc)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the loop is gone: nobody waits for this answer any more
-            pass
-
-    threading.Thread(target=work, daemon=True).start()
-    return await result
 
 
 async def _stream(dash: Dashboard, job_id: str, write: Callable[[str], Any]) -> None:
@@ -253,7 +205,7 @@ async def _stream(dash: Dashboard, job_id: str, write: Callable[[str], Any]) -> 
                                        f"`cloudrl status {job_id}{dash.address.flag}`")
                 return
             # A watchdog beside the stream: a dead tunnel fails this bounded call instead of hanging.
-            info = await _in_daemon_thread(job_info, dash, job_id)
+            info = await asyncio.to_thread(job_info, dash, job_id)
             if info.status.is_terminal():
                 ended_at = ended_at or time.monotonic()
                 if time.monotonic() - ended_at > END_GRACE_S:

@@ -217,6 +217,16 @@ def send_sigint(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGINT)
 
 
+def _sigint_as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# Popen options for a command the test will Ctrl+C. A shell that starts jobs in the background
+# without job control (`.ci/run &`, many CI runners) sets SIGINT to "ignore" for them, and that
+# inheritance would make Python ignore Ctrl+C too; a user's terminal never does.
+INTERRUPTIBLE = {"preexec_fn": _sigint_as_in_a_terminal}
+
+
 def processes_with_env(name: str, value: str) -> list[int]:
     """PIDs of live processes whose environment has name=value (marks what one test started)."""
     import psutil

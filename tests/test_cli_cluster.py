@@ -20,6 +20,7 @@ import typer.testing
 
 from cli_helpers import (
     CLOUDRL,
+    INTERRUPTIBLE,
     SHORT_RUN,
     cli_env,
     job_count,
@@ -165,7 +166,8 @@ def test_ctrl_c_detaches_then_stop_reports_stopped(cluster: Cluster, tmp_path: P
         proc = subprocess.Popen(
             [CLOUDRL, "submit", "--address", cluster.url, "--name", job, "--follow",
              "trainer.total_steps=500", "model.sft_warmup_steps=0", f"trainer.run_dir={tmp_path / 'run'}"],
-            env=cluster.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            env=cluster.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            **INTERRUPTIBLE)
         with stop_on_exit(proc):
             lines: queue.Queue[str] = queue.Queue()
             threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
@@ -265,7 +267,7 @@ def test_dashboard_over_ssh(cluster: Cluster, tmp_path: Path) -> None:
         args = [CLOUDRL, "dashboard", "--ssh", f"{ssh_user()}@127.0.0.1", "--remote-port", remote_port,
                 "--port", "0", *[a for o in options for a in ("-o", o)]]
         proc = subprocess.Popen(args, env=cluster.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True, **INTERRUPTIBLE)
         with stop_on_exit(proc):
             first = proc.stdout.readline()  # the URL line comes once the dashboard answers through ssh
             assert first.startswith(f"Ray dashboard of {ssh_user()}@127.0.0.1: http://127.0.0.1:"), (
