@@ -301,3 +301,16 @@ def test_format_warmup_batches(tok):
     again = format_warmup_batches(tok, max_operand=2, seed=5, batch_size=32)
     first = format_warmup_batches(tok, max_operand=2, seed=5, batch_size=32)
     assert all(torch.equal(a, b) for a, b in zip(next(again), next(first)))
+
+
+def test_peek_batch_is_the_next_batch_without_taking_it():
+    """Across epoch boundaries (6 records, batches of 4), peeking twice then taking gives the
+    same batch, and the loader's position only moves on the take."""
+    loader = PromptLoader(make_records(6), batch_size=4, shuffle=True, seed=0)
+    reference = PromptLoader(make_records(6), batch_size=4, shuffle=True, seed=0)
+    for _ in range(5):
+        state = loader.state_dict()
+        peeked = texts(loader.peek_batch())
+        assert texts(loader.peek_batch()) == peeked
+        assert loader.state_dict() == state
+        assert texts(loader.next_batch()) == peeked == texts(reference.next_batch())

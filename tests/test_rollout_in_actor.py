@@ -23,18 +23,23 @@ pytestmark = pytest.mark.ray
 GREEDY = SamplingSettings(max_new_tokens=6, greedy=True)
 
 
+def _big_step_setup():
+    """A config whose single update visibly changes the samples (lr 0.5), its model and 12 prompts."""
+    cfg = load_config("local", ["placement.rollout_in_actor=true", "actor.lr=0.5", "model.sft_warmup_steps=20",
+                                "data.train_batch_size=8", "rollout.n=4", "actor.mini_batch_size=32",
+                                "actor.micro_batch_size=32", "critic.mini_batch_size=32", "critic.micro_batch_size=32"])
+    model_path = resolve_path(cfg.model.path, cfg)
+    tokenizer = load_tokenizer(model_path)
+    return cfg, model_path, tokenizer, [tokenizer.encode(f"{a}+{b}=") for a in range(4) for b in range(3)]
+
+
 def test_generation_follows_every_update(ray_local):
     """The engine wraps the trained module itself: after an update, the worker's samples are those
     of the new weights (checked against a separate copy loaded with them), and differ from before."""
     import ray
     from ray.util import remove_placement_group
 
-    cfg = load_config("local", ["placement.rollout_in_actor=true", "actor.lr=0.5", "model.sft_warmup_steps=20",
-                                "data.train_batch_size=8", "rollout.n=4", "actor.mini_batch_size=32",
-                                "actor.micro_batch_size=32", "critic.mini_batch_size=32", "critic.micro_batch_size=32"])
-    model_path = resolve_path(cfg.model.path, cfg)
-    tokenizer = load_tokenizer(model_path)
-    prompts = [tokenizer.encode(f"{a}+{b}=") for a in range(4) for b in range(3)]
+    cfg, model_path, tokenizer, prompts = _big_step_setup()
     group, pg = _policy_group(cfg, model_path, world=1)
     try:
         worker = group.workers[0]
@@ -112,3 +117,42 @@ def test_fsdp_sharded_gpu_actor_is_refused():
     cfg = load_config("local", ["placement.rollout_in_actor=true", "actor.gpus_per_node=2", "actor.fsdp=false",
                                "actor.micro_batch_size=128"])
     assert "rollout" not in [r.role for r in plan(cfg)]
+
+
+def test_update_then_generate_is_an_update_followed_by_a_generate():
+    """The fused call the driver makes each step: the same statistics and, sampled after the
+    update, the same completions as two separate calls; not those of the policy before it."""
+    from cloudrl.trainer.workers import PolicyWorker
+
+    cfg, model_path, _, prompts = _big_step_setup()
+    settings = SamplingSettings(n=2, max_new_tokens=6, seed=7)
+    shards, norms = update_shards(_fixed_batch(cfg, 32), 1, cfg.actor, seed=1)
+    separate, fused, untrained = (PolicyWorker(cfg.to_dict(), model_path) for _ in range(3))
+
+    stats = separate.update(shards[0], norms, 0.0)
+    expected = [c.token_ids for c in separate.generate(prompts, settings)]
+    fused_stats, completions, seconds = fused.update_then_generate(shards[0], norms, 0.0, prompts, settings)
+    assert fused_stats == stats
+    assert [c.token_ids for c in completions] == expected
+    assert seconds > 0
+    assert [c.token_ids for c in untrained.generate(prompts, settings)] != expected
+
+
+def test_resumed_in_actor_run_matches_the_uninterrupted_one(ray_local, tmp_path):
+    """Steps 2 and 3 of a straight run are sampled inside the previous step's update call; a run
+    stopped after step 1 and resumed samples step 2 with a separate call. Same samples, same
+    losses either way, and every step reports its own rollout time."""
+    common = {"trainer.save_every": 1, "reward.in_driver": "true", "trainer.val_every": 0}
+    _, straight = _run(tmp_path / "straight", **{"trainer.total_steps": 3, **common})
+    _run(tmp_path / "resumed", **{"trainer.total_steps": 1, **common})
+    summary, resumed = _run(tmp_path / "resumed", **{"trainer.total_steps": 3, "trainer.resume": "auto", **common})
+    assert summary["resumed_from"] == 1
+    by_step = {r["step"]: r for r in straight if r["step"] > 0}
+    assert sorted(by_step) == [1, 2, 3]
+    for row in resumed:
+        if row["step"] in (2, 3):
+            for key in ("rollout/reward_mean", "rollout/response_length", "actor/pg_loss", "actor/entropy"):
+                assert row[key] == by_step[row["step"]][key], (row["step"], key)
+    for row in by_step.values():
+        assert 0 < row["timing/rollout"] < row["timing/step"]
+        assert 0 < row["timing/update_actor"] < row["timing/step"]

@@ -300,6 +300,14 @@ class PromptLoader:
             self.index += len(take)
         return batch
 
+    def peek_batch(self) -> list[PromptRecord]:
+        """The batch `next_batch` will return, without moving past it."""
+        saved = self.epoch, self.index, self._order
+        try:
+            return self.next_batch()
+        finally:
+            self.epoch, self.index, self._order = saved
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}
 

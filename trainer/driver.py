@@ -96,6 +96,15 @@ def record_placement(roles, run_dir: Path) -> None:
 
 
 @dataclass
+class NextRollout:
+    """The next step's completions, sampled at the end of this step's update call."""
+
+    prompt_ids: list[list[int]]
+    completions: list
+    seconds: float
+
+
+@dataclass
 class History:
     """Rewards worth reporting at the end; saved with checkpoints so a resumed run reports them too."""
 
@@ -117,6 +126,7 @@ class Trainer:
                        else pm.FixedKLController(a.kl_coef))
         self.history = History()
         self.step = 0
+        self.next_rollout: NextRollout | None = None
         self.gpu_weight_sync = self.open_gpu_weight_sync()
 
     # ------------------------------------------------------------------------------------------
@@ -154,10 +164,13 @@ class Trainer:
         n = cfg.rollout.n
         kl_coef = self.kl_ctl.value
         with timer("step"):
-            # ---- 1. Rollout: n samples per prompt, grouped per prompt.
+            # ---- 1. Rollout: n samples per prompt, grouped per prompt. With the rollout inside the
+            #      actor, the previous step's update call has usually sampled them already.
             with timer("rollout"):
-                settings = SamplingSettings.from_config(cfg.rollout, seed=cfg.trainer.seed * 100_003 + self.step)
-                completions = self.generate([p.prompt_ids for p in prompts], settings)
+                prompt_ids = [p.prompt_ids for p in prompts]
+                completions = self.take_next_rollout(prompt_ids, timer)
+                if completions is None:
+                    completions = self.generate(prompt_ids, self.sampling(self.step))
                 records = [p for p in prompts for _ in range(n)]
                 batch = build_batch([r.prompt_ids for r in records], [c.token_ids for c in completions],
                                     self.tokenizer.pad_token_id, [c.logprobs for c in completions])
@@ -192,14 +205,28 @@ class Trainer:
                 actor_keys = ["input_ids", "attention_mask", "response_mask", "advantages"]
                 actor_keys += [k for k in ("old_logprobs", "ref_logprobs", "is_weights", "engine_logprobs") if k in batch]
                 shards, norms = update_shards(batch.only(*actor_keys), roles.actor.world_size, cfg.actor, self.update_seed)
-                actor_refs = [w.update.remote(s, norms, kl_coef) for w, s in zip(roles.actor.workers, shards)]
+                next_prompts = self.prompts_to_sample_in_update()
+                if next_prompts:
+                    chunks, settings = split_prompts(next_prompts, roles.actor.world_size), self.sampling(self.step + 1)
+                    actor_refs = [w.update_then_generate.remote(s, norms, kl_coef, chunk, settings)
+                                  for w, s, chunk in zip(roles.actor.workers, shards, chunks)]
+                else:
+                    actor_refs = [w.update.remote(s, norms, kl_coef) for w, s in zip(roles.actor.workers, shards)]
                 critic_refs = []
                 if cfg.uses_critic:
                     shards, norms = update_shards(
                         batch.only("input_ids", "attention_mask", "response_mask", "values", "returns"),
                         roles.critic.world_size, cfg.critic, self.update_seed)
                     critic_refs = [w.update.remote(s, norms) for w, s in zip(roles.critic.workers, shards)]
-                metrics.update(combine(ray.get(actor_refs)))
+                actor_results = ray.get(actor_refs)
+                if next_prompts:  # the next step's rollout counts towards the next step's time
+                    seconds = max(r[2] for r in actor_results)
+                    self.next_rollout = NextRollout(next_prompts, [c for r in actor_results for c in r[1]], seconds)
+                    actor_results = [r[0] for r in actor_results]
+                    timer.add("update", -seconds)
+                    timer.add("step", -seconds)
+                    t0 += seconds
+                metrics.update(combine(actor_results))
                 metrics["timing/update_actor"] = time.perf_counter() - t0
                 if critic_refs:
                     metrics.update(combine(ray.get(critic_refs)))
@@ -282,13 +309,36 @@ class Trainer:
         refs = [getattr(w, method).remote(s) for w, s in zip(group.workers, shards) if s.size]
         return torch.cat(ray.get(refs))
 
+    def sampling(self, step: int) -> SamplingSettings:
+        return SamplingSettings.from_config(self.cfg.rollout, seed=self.cfg.trainer.seed * 100_003 + step)
+
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list:
         import ray
 
         engines = self.roles.rollout.workers
-        chunks = [c.tolist() for c in torch.arange(len(prompts)).tensor_split(len(engines))]
-        refs = [e.generate.remote([prompts[i] for i in idx], settings) for e, idx in zip(engines, chunks) if idx]
+        refs = [e.generate.remote(chunk, settings) for e, chunk in zip(engines, split_prompts(prompts, len(engines)))
+                if chunk]
         return [c for part in ray.get(refs) for c in part]
+
+    def prompts_to_sample_in_update(self) -> list[list[int]] | None:
+        """With the rollout inside the actor, the actor's update call also samples the next step's
+        prompts: a worker runs after its update exactly what a separate generate call would, with
+        the same seed, and the driver saves a round trip per step. None when there is no next step
+        or the rollout has workers of its own."""
+        if not self.roles.rollout_in_actor or self.step >= self.cfg.trainer.total_steps:
+            return None
+        return [p.prompt_ids for p in self.loader.peek_batch()]
+
+    def take_next_rollout(self, prompt_ids: list[list[int]], timer: Timer) -> list | None:
+        """The completions sampled in the previous step's update call, if there was one."""
+        ahead, self.next_rollout = self.next_rollout, None
+        if ahead is None:
+            return None
+        if ahead.prompt_ids != prompt_ids:
+            raise RuntimeError(f"step {self.step}: the update call sampled other prompts than this step's")
+        timer.add("rollout", ahead.seconds)
+        timer.add("step", ahead.seconds)
+        return ahead.completions
 
     def score(self, responses: list[list[int]], records: list[PromptRecord]) -> torch.Tensor:
         import ray
@@ -409,6 +459,11 @@ def update_shards(batch: Batch, world: int, role_cfg, seed: int) -> tuple[list[B
             for rank, chunk in enumerate(idx.chunk(world)):
                 parts[rank].append(chunk)
     return [batch.select(torch.cat(p)) for p in parts], normalizers
+
+
+def split_prompts(prompts: list[list[int]], parts: int) -> list[list[list[int]]]:
+    """Contiguous, near-equal parts (one per engine), so each prompt's samples stay together."""
+    return [[prompts[i] for i in idx.tolist()] for idx in torch.arange(len(prompts)).tensor_split(parts)]
 
 
 def combine(results: list[dict]) -> dict:

@@ -1,6 +1,8 @@
 """The trainer's expected failures: each message names the problem and the fix."""
 
-from .config import ConfigError
+
+class ConfigError(ValueError):
+    """A config problem the user can fix; the message names the key and the fix."""
 
 
 class ModelLoadError(RuntimeError):

@@ -99,3 +99,7 @@ class Timer:
                 timer.times[f"timing/{name}"] = timer.times.get(f"timing/{name}", 0.0) + time.perf_counter() - self.start
 
         return _Span()
+
+    def add(self, name: str, seconds: float) -> None:
+        """Count `seconds` towards `timing/<name>` (negative: take them off)."""
+        self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + seconds
