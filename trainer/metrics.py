@@ -96,7 +96,7 @@ class Timer:
                 self.start = time.perf_counter()
 
             def __exit__(self, *exc):
-                timer.times[f"timing/{name}"] = timer.times.get(f"timing/{name}", 0.0) + time.perf_counter() - self.start
+                timer.add(name, time.perf_counter() - self.start)
 
         return _Span()
 
