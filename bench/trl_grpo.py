@@ -231,7 +231,7 @@ def merge(runs: list[dict]) -> dict:
     return out
 
 
-# cloudrl's two layouts. Ray gives each worker as many torch threads as CPUs it reserves, so
+# cloudrl's three layouts. Ray gives each worker as many torch threads as CPUs it reserves, so
 # `threads` sets the CPUs of every worker that computes.
 LAYOUTS = {
     "lean": ("rollout in actor, reward in driver",

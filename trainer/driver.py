@@ -207,7 +207,7 @@ class Trainer:
                 shards, norms = update_shards(batch.only(*actor_keys), roles.actor.world_size, cfg.actor, self.update_seed)
                 next_prompts = self.prompts_to_sample_in_update()
                 if next_prompts:
-                    chunks, settings = split_prompts(next_prompts, roles.actor.world_size), self.sampling(self.step + 1)
+                    chunks, settings = split_evenly(next_prompts, roles.actor.world_size), self.sampling(self.step + 1)
                     actor_refs = [w.update_then_generate.remote(s, norms, kl_coef, chunk, settings)
                                   for w, s, chunk in zip(roles.actor.workers, shards, chunks)]
                 else:
@@ -219,18 +219,19 @@ class Trainer:
                         roles.critic.world_size, cfg.critic, self.update_seed)
                     critic_refs = [w.update.remote(s, norms) for w, s in zip(roles.critic.workers, shards)]
                 actor_results = ray.get(actor_refs)
-                if next_prompts:  # the next step's rollout counts towards the next step's time
-                    seconds = max(r[2] for r in actor_results)
-                    self.next_rollout = NextRollout(next_prompts, [c for r in actor_results for c in r[1]], seconds)
+                sampled_ahead_s = 0.0  # the next step's rollout: counted towards the next step's time
+                if next_prompts:
+                    sampled_ahead_s = max(r[2] for r in actor_results)
+                    completions_ahead = [c for r in actor_results for c in r[1]]
+                    self.next_rollout = NextRollout(next_prompts, completions_ahead, sampled_ahead_s)
                     actor_results = [r[0] for r in actor_results]
-                    timer.add("update", -seconds)
-                    timer.add("step", -seconds)
-                    t0 += seconds
+                    timer.add("update", -sampled_ahead_s)
+                    timer.add("step", -sampled_ahead_s)
                 metrics.update(combine(actor_results))
-                metrics["timing/update_actor"] = time.perf_counter() - t0
+                metrics["timing/update_actor"] = time.perf_counter() - t0 - sampled_ahead_s
                 if critic_refs:
                     metrics.update(combine(ray.get(critic_refs)))
-                    metrics["timing/update_critic"] = time.perf_counter() - t0
+                    metrics["timing/update_critic"] = time.perf_counter() - t0 - sampled_ahead_s
 
             # ---- 6. Push the new policy weights to every engine (no disk round trip).
             with timer("sync"):
@@ -316,7 +317,7 @@ class Trainer:
         import ray
 
         engines = self.roles.rollout.workers
-        refs = [e.generate.remote(chunk, settings) for e, chunk in zip(engines, split_prompts(prompts, len(engines)))
+        refs = [e.generate.remote(chunk, settings) for e, chunk in zip(engines, split_evenly(prompts, len(engines)))
                 if chunk]
         return [c for part in ray.get(refs) for c in part]
 
@@ -343,13 +344,12 @@ class Trainer:
     def score(self, responses: list[list[int]], records: list[PromptRecord]) -> torch.Tensor:
         import ray
 
-        if self.roles.reward is None:  # reward.in_driver: rule-based rewards, scored right here
+        if self.reward_fn is not None:  # reward.in_driver: rule-based rewards, scored right here
             _texts, values = score_responses(self.reward_fn, self.tokenizer, responses, records)
             return torch.tensor(values, dtype=torch.float32)
         workers = self.roles.reward.workers
-        chunks = [c.tolist() for c in torch.arange(len(responses)).tensor_split(len(workers))]
-        refs = [w.score.remote([responses[i] for i in idx], [records[i] for i in idx])
-                for w, idx in zip(workers, chunks) if idx]
+        parts = zip(workers, split_evenly(responses, len(workers)), split_evenly(records, len(workers)))
+        refs = [w.score.remote(resp, recs) for w, resp, recs in parts if resp]
         return torch.cat(ray.get(refs))
 
     def open_gpu_weight_sync(self) -> bool:
@@ -461,9 +461,9 @@ def update_shards(batch: Batch, world: int, role_cfg, seed: int) -> tuple[list[B
     return [batch.select(torch.cat(p)) for p in parts], normalizers
 
 
-def split_prompts(prompts: list[list[int]], parts: int) -> list[list[list[int]]]:
-    """Contiguous, near-equal parts (one per engine), so each prompt's samples stay together."""
-    return [[prompts[i] for i in idx.tolist()] for idx in torch.arange(len(prompts)).tensor_split(parts)]
+def split_evenly(items: list, parts: int) -> list[list]:
+    """Contiguous, near-equal parts, one per worker (so each prompt's samples stay together)."""
+    return [[items[i] for i in idx.tolist()] for idx in torch.arange(len(items)).tensor_split(parts)]
 
 
 def combine(results: list[dict]) -> dict:
