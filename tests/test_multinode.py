@@ -10,7 +10,7 @@ import torch
 from cloudrl.trainer.batch import build_batch, from_wire
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.driver import train, update_shards
-from cloudrl.trainer.group import ActorGroup, _slots, create_placement_group
+from cloudrl.trainer.group import ActorGroup, create_placement_group, plan_slots
 from cloudrl.trainer.models import resolve_path
 from cloudrl.trainer.placement import ClusterTooSmall, check_fits, plan
 from cloudrl.trainer.workers import PolicyWorker
@@ -24,9 +24,8 @@ def _policy_group(cfg, model_path: str, world: int) -> tuple[ActorGroup, object]
     cfg.actor.workers_per_node = world
     request = plan(cfg)[0]
     pg = create_placement_group(request, 60)
-    bundles, per_worker = _slots(request, world, 1.0)
-    group = ActorGroup(PolicyWorker, pg, bundles, per_worker, (cfg.to_dict(), model_path))
-    group.init_distributed()
+    group = ActorGroup("actor", PolicyWorker, pg, plan_slots(cfg, request)["actor"], (cfg.to_dict(), model_path))
+    group.start_training()
     return group, pg
 
 
@@ -42,32 +41,38 @@ def _fixed_batch(cfg, size: int):
     return batch
 
 
-def test_two_workers_match_one_on_the_same_global_batch(ray_local):
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp2-gloo", "plain-dp"])
+def test_two_workers_match_one_on_the_same_global_batch(ray_local, fsdp):
     """One PPO update (2 mini-batches, several micro-batches) with W=2 gloo ranks gives the same
-    parameters as W=1: the loss is normalised by the global token count and gradients are summed."""
+    parameters as W=1 unsharded: the loss is normalised by the global token count, and gradients are
+    averaged by FSDP2 (sharded over gloo, the GPU code path) or summed by plain data parallelism. The
+    policy's log-probs run before the first update, as in a step with old log-probs."""
     import ray
     from ray.util import remove_placement_group
 
     overrides = ["actor.mini_batch_size=16", "actor.micro_batch_size=4", "actor.lr=1e-3", "data.train_batch_size=8",
-                 "rollout.n=4", "model.sft_warmup_steps=20", "critic.mini_batch_size=16", "critic.micro_batch_size=4"]
+                 "rollout.n=4", "model.sft_warmup_steps=20", "critic.mini_batch_size=16", "critic.micro_batch_size=4",
+                 f"actor.fsdp={str(fsdp).lower()}"]
     cfg = load_config("local", overrides)
     model_path = resolve_path(cfg.model.path, cfg)
     batch = _fixed_batch(cfg, 32)
+    initial = {k: from_wire(v) for k, v in PolicyWorker(cfg.to_dict(), model_path).weights()}
     results = {}
     for world in (1, 2):
         group, pg = _policy_group(load_config("local", overrides), model_path, world)
         try:
+            assert [w["sharded"] for w in group.where()] == [fsdp and world > 1] * world
             shards, norms = update_shards(batch, world, cfg.actor, seed=3)
             assert len(norms) == 2 and all(s.size == 32 // world for s in shards)
+            inputs = batch.only("input_ids", "attention_mask", "response_mask")
+            before = torch.cat(ray.get([w.logprobs.remote(inputs) for w in group.workers]))
             ray.get([w.update.remote(s, norms, 0.0) for w, s in zip(group.workers, shards)])
-            results[world] = {k: from_wire(v) for k, v in ray.get(group.workers[0].weights.remote())}
-            if world == 2:  # every rank holds the same parameters after the step
-                rank1 = ray.get(group.workers[1].get_state.remote())
-                assert rank1 is None  # only rank 0 hands out state
+            # Gathering the full state is a collective under FSDP: every rank takes part, rank 0 returns it.
+            results[world] = {k: from_wire(v) for k, v in ray.get([w.weights.remote() for w in group.workers])[0]}
+            assert before.shape[0] == 32 * world  # each rank scored the whole batch
         finally:
             group.kill()
             remove_placement_group(pg)
-    initial = {k: from_wire(v) for k, v in PolicyWorker(cfg.to_dict(), model_path).weights()}
     changed = 0
     for name, value in results[1].items():
         torch.testing.assert_close(results[2][name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -75,22 +80,27 @@ def test_two_workers_match_one_on_the_same_global_batch(ray_local):
     assert changed > len(results[1]) // 2
 
 
-def test_checkpoint_from_two_workers_resumes_in_one(ray_local, tmp_path):
-    """Checkpoints hold full state keyed by name: a W=2 run resumes as W=1 and continues like an
-    uninterrupted W=1 run."""
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)], ids=["fsdp-w2-to-w1", "w1-to-fsdp-w2"])
+def test_checkpoint_resumes_at_another_world_size(ray_local, tmp_path, first, then):
+    """Checkpoints hold full state keyed by name: a run sharded over 2 ranks (FSDP2 over gloo) resumes
+    on 1 unsharded rank and the reverse, and continues like an uninterrupted 1-rank run."""
     base = {"trainer.save_every": 1, "trainer.keep_last": 5}
     straight = tmp_path / "w1"
     train(load_config("local", tiny_overrides(straight, **base, **{"trainer.total_steps": 3})))
-    mixed = tmp_path / "w2_then_w1"
-    train(load_config("local", tiny_overrides(mixed, **base, **{"trainer.total_steps": 2,
-                                                                  "actor.workers_per_node": 2,
-                                                                  "critic.workers_per_node": 2})))
+
+    def workers(w: int) -> dict:
+        return {"actor.workers_per_node": w, "critic.workers_per_node": w}
+
+    mixed = tmp_path / "mixed"
+    train(load_config("local", tiny_overrides(mixed, **base, **workers(first), **{"trainer.total_steps": 2})))
     placement = json.loads((mixed / "placement.json").read_text())
-    assert len(placement["actor"]) == 2 and len(placement["critic"]) == 2
-    summary = train(load_config("local", tiny_overrides(mixed, **base, **{"trainer.total_steps": 3})))
+    assert [w["sharded"] for w in placement["actor"]] == [first > 1] * first
+    summary = train(load_config("local", tiny_overrides(mixed, **base, **workers(then), **{"trainer.total_steps": 3})))
     assert summary["resumed_from"] == 2
     a = torch.load(straight / "checkpoints/step_000003/actor.pt", weights_only=False)["model"]
     b = torch.load(mixed / "checkpoints/step_000003/actor.pt", weights_only=False)["model"]
+    start = torch.load(straight / "checkpoints/step_000001/actor.pt", weights_only=False)["model"]
+    assert any(not torch.equal(a[name], start[name]) for name in a)  # the last step trained
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
 
@@ -102,3 +112,36 @@ def test_check_fits_messages_without_a_cluster():
         check_fits(cfg, [{"CPU": 16}])
     with pytest.raises(ClusterTooSmall, match=r"asks for 8 h100 \(8 for actor"):
         check_fits(load_config("local", ["actor.resources={h100: 8}"]), [{"CPU": 8}])
+
+
+def test_a_worker_that_never_answers_ends_in_one_line(ray_local):
+    """Process-group start, engine start and weight sync wait through `get_all`: a rank that never
+    answers stops the run with a line naming it and the setting, instead of a hang."""
+    import time
+
+    import ray
+
+    from cloudrl.trainer.errors import WorkerTimeout
+    from cloudrl.trainer.waiting import get_all
+
+    @ray.remote(num_cpus=0)
+    class Stuck:
+        def ping(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    workers = [Stuck.remote(), Stuck.remote()]
+    try:
+        assert get_all([w.ping.remote(0) for w in workers], ["a", "b"], 30, "pinging") == [0, 0]
+        start = time.monotonic()
+        with pytest.raises(WorkerTimeout) as err:
+            get_all([workers[0].ping.remote(0), workers[1].ping.remote(60)],
+                    ["critic rank 0 on 10.0.0.1", "critic rank 1 on 10.0.0.2"], 1.0,
+                    "critic: joining the process group")
+        assert time.monotonic() - start < 10
+        message = str(err.value)
+        assert "\n" not in message and "critic rank 1 on 10.0.0.2" in message and "rank 0" not in message
+        assert "trainer.worker_timeout_s=1s" in message
+    finally:
+        for w in workers:
+            ray.kill(w)

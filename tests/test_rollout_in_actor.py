@@ -62,7 +62,7 @@ def test_generation_follows_every_update(ray_local):
 def _run(run_dir, **extra) -> tuple[dict, list[dict]]:
     cfg = load_config("local", tiny_overrides(run_dir, **{
         "algorithm.name": "grpo", "placement.rollout_in_actor": "true", "actor.workers_per_node": 2,
-        "trainer.val_every": 1, **extra}))
+        "actor.fsdp": "false", "trainer.val_every": 1, **extra}))
     summary = train(cfg)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summary, rows
@@ -114,6 +114,8 @@ def test_settings_that_contradict_it_are_config_errors(override, expected):
 def test_fsdp_sharded_gpu_actor_is_refused():
     with pytest.raises(ConfigError, match="set actor.fsdp=false"):
         load_config("local", ["placement.rollout_in_actor=true", "actor.gpus_per_node=2", "actor.micro_batch_size=128"])
+    with pytest.raises(ConfigError, match="set actor.fsdp=false"):  # two CPU ranks shard over gloo
+        load_config("local", ["placement.rollout_in_actor=true", "actor.workers_per_node=2", "actor.micro_batch_size=128"])
     cfg = load_config("local", ["placement.rollout_in_actor=true", "actor.gpus_per_node=2", "actor.fsdp=false",
                                "actor.micro_batch_size=128"])
     assert "rollout" not in [r.role for r in plan(cfg)]
@@ -128,6 +130,8 @@ def test_update_then_generate_is_an_update_followed_by_a_generate():
     settings = SamplingSettings(n=2, max_new_tokens=6, seed=7)
     shards, norms = update_shards(_fixed_batch(cfg, 32), 1, cfg.actor, seed=1)
     separate, fused, untrained = (PolicyWorker(cfg.to_dict(), model_path) for _ in range(3))
+    for worker in (separate, fused, untrained):
+        worker.start_training()
 
     stats = separate.update(shards[0], norms, 0.0)
     expected = [c.token_ids for c in separate.generate(prompts, settings)]

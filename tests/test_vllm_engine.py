@@ -252,7 +252,9 @@ def test_weight_sync_client_gives_each_engine_its_own_nccl_ranks(monkeypatch):
             for name in ("init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update"):
                 setattr(self, name, Method(self.calls, name))
 
-    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    from cloudrl.trainer import weight_sync
+
+    monkeypatch.setattr(weight_sync, "get_all", lambda refs, *args, **kwargs: refs)
     workers = [FakeWorker() for _ in range(3)]
     client = EngineClient(workers, tensor_parallel_size=2)
     client.init_weight_transfer_engine({"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1,

@@ -166,7 +166,7 @@ class TrainedRoleConfig(RoleConfig):
     micro_batch_size: int = 16
     """Sequences per forward/backward on one worker."""
     fsdp: bool = True
-    """Shard parameters with FSDP2 on GPU workers (ignored on CPU)."""
+    """Shard with FSDP2 when the role has several workers or GPUs (NCCL on GPUs, gloo on CPU)."""
     cpu_offload: bool = False
     """FSDP2: keep parameters and optimizer state on CPU."""
 
@@ -253,6 +253,8 @@ class TrainerConfig:
     """Save the final policy with save_pretrained into run_dir/hf_model."""
     ray_address: str = ""
     """Ray cluster to join; empty = the one the job was submitted to, or a new local one."""
+    worker_timeout_s: float = 600.0
+    """Longest wait for a worker to start, join its process group or finish a weight sync (then stop with a line)."""
 
 
 @dataclass

@@ -79,7 +79,7 @@ def _check_rollout_in_actor(cfg: Config) -> None:
     if r.sleep_between_rollouts:
         raise ConfigError("rollout.sleep_between_rollouts is for vLLM engines: remove it with "
                           "placement.rollout_in_actor=true (the policy's weights serve both)")
-    if a.gpus_per_node > 0 and a.fsdp and a.world_size > 1:
+    if a.fsdp and (a.world_size > 1 or a.gpus_per_node > 0):
         raise ConfigError("placement.rollout_in_actor=true cannot generate with FSDP-sharded actor workers "
                           "(ranks would have to sample in lockstep): set actor.fsdp=false, or drop "
                           "placement.rollout_in_actor to use rollout workers")

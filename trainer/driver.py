@@ -27,6 +27,7 @@ from .metrics import MetricsLogger, Timer
 from .models import load_tokenizer, quiet_transformers, resolve_path
 from .rewards import resolve_reward_fn, score_responses
 from .rollout import SamplingSettings
+from .waiting import get_all
 
 
 @dataclass
@@ -373,14 +374,20 @@ class Trainer:
 
         if self.roles.rollout_in_actor:
             return
-        engines = self.roles.rollout.workers
-        if self.cfg.rollout.sleep_between_rollouts:
-            ray.get([e.wake.remote() for e in engines])
+        rollout, actor = self.roles.rollout, self.roles.actor
+        timeout = self.cfg.trainer.worker_timeout_s
+        asleep = self.cfg.rollout.sleep_between_rollouts
+        if asleep:  # weights first; the KV cache only once the new weights are in
+            get_all([e.wake_weights.remote() for e in rollout.workers], rollout.labels(), timeout, "waking the engines")
         if self.gpu_weight_sync:
-            ray.get([w.push_weights.remote() for w in self.roles.actor.workers])
-            return
-        weights = [w.weights.remote() for w in self.roles.actor.workers]
-        ray.get([e.load_weights.remote(weights[0]) for e in engines] + weights[1:])
+            get_all([w.push_weights.remote() for w in actor.workers], actor.labels(), timeout, "the weight sync")
+        else:
+            weights = [w.weights.remote() for w in actor.workers]
+            get_all([e.load_weights.remote(weights[0]) for e in rollout.workers] + weights[1:],
+                    rollout.labels() + actor.labels()[1:], timeout, "the weight sync")
+        if asleep:
+            get_all([e.wake_kv_cache.remote() for e in rollout.workers], rollout.labels(), timeout,
+                    "allocating the engines' KV cache")
 
     def validate(self) -> dict:
         records = self.inputs.val

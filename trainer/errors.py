@@ -1,25 +1,32 @@
-"""The trainer's expected failures: each message names the problem and the fix."""
+"""The trainer's expected failures: each message names the problem and the fix.
+
+`python -m cloudrl.trainer` reports any `TrainerError` as one line instead of a traceback.
+"""
 
 
-class ConfigError(ValueError):
+class TrainerError(Exception):
+    """Base of every expected failure."""
+
+
+class ConfigError(TrainerError, ValueError):
     """A config problem the user can fix; the message names the key and the fix."""
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(TrainerError, RuntimeError):
     """A model or tokenizer could not be loaded; the message says what to check."""
 
 
-class DataError(ValueError):
+class DataError(TrainerError, ValueError):
     """A dataset or reward function the trainer cannot use."""
 
 
-class PlacementTimeout(RuntimeError):
+class PlacementTimeout(TrainerError, RuntimeError):
     """Ray could not place a role's workers in time."""
 
 
-class CheckpointError(RuntimeError):
+class WorkerTimeout(TrainerError, RuntimeError):
+    """A worker or engine did not answer in time (process-group start, engine start, weight sync)."""
+
+
+class CheckpointError(TrainerError, RuntimeError):
     """A checkpoint directory that cannot be written or read."""
-
-
-# What `python -m cloudrl.trainer` reports as one line instead of a traceback.
-TrainerError = (ConfigError, ModelLoadError, DataError, PlacementTimeout, CheckpointError)

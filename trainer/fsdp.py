@@ -1,10 +1,12 @@
-"""FSDP2 sharding for GPU workers (torch.distributed.fsdp.fully_shard).
+"""FSDP2 sharding (torch.distributed.fsdp.fully_shard) for the trained roles.
 
-Used when a role has more than one GPU worker and `<role>.fsdp=true`. Each transformer block is a
-shard unit, then the root. Checkpoints and weight sync gather the full state through
-torch.distributed.checkpoint.state_dict (see TrainableWorker._full_state), so checkpoints never
-depend on the number of workers.
-GPU only: CPU workers use plain data parallelism (see TrainableWorker).
+Used when `<role>.fsdp=true` and the role has more than one worker (or runs on a GPU): the same code
+shards over NCCL on GPUs and over gloo on CPU, so the CPU suite exercises the GPU path. The process
+group must exist first (TrainableWorker.start_training). Each transformer block is a shard unit, then
+the root. Parameters stay fp32 (the master weights the optimizer updates); with `model.dtype=bfloat16`
+the forward and backward run in bf16 and gradients are reduced in fp32. Checkpoints and weight sync
+gather the full state through torch.distributed.checkpoint.state_dict (TrainableWorker._full_state),
+so checkpoints never depend on the number of workers.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers) if layers is not None else []
 
 
-def shard_model(model: torch.nn.Module, cpu_offload: bool = False) -> None:
+def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None, cpu_offload: bool = False) -> None:
+    """Shard `model` in place over the default process group. `compute_dtype` None (or the parameters'
+    own dtype) computes in the stored dtype; CPU offload keeps parameters and optimizer state on the host."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=next(model.parameters()).dtype,
-                                                reduce_dtype=torch.float32)}
+    stored = next(model.parameters()).dtype
+    param_dtype = compute_dtype if compute_dtype not in (None, stored) else None
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in _blocks(model):

@@ -1,9 +1,10 @@
 """Ray placement: one placement group per role request, one ActorGroup per role.
 
-The driver calls `launch_roles(cfg, model_path)` once. It checks the cluster against the config
-(`placement.check_fits`) before creating anything, creates each placement group with a timeout, and
-starts the workers; data-parallel roles get a torch.distributed group whose rank 0 reports its node
-address and a free port. `Roles.shutdown()` kills every actor and removes every group it created.
+The driver calls `launch_roles(cfg, model_path, critic_path)` once. It checks the cluster against the
+config (`placement.check_fits`) before creating anything, creates each placement group with a timeout,
+starts the hosts' workers (one whole GPU per data-parallel rank), then the colocated roles' workers on
+their hosts' GPUs (`placement.guest_slots`), and finally lets the trained roles join their process
+groups and shard. `Roles.shutdown()` kills every actor and removes every group it created.
 """
 
 from __future__ import annotations
@@ -13,54 +14,80 @@ from dataclasses import dataclass, field
 
 from .cluster import alive_nodes, preflight
 from .errors import PlacementTimeout
-from .placement import RoleRequest, describe_cluster
+from .placement import RoleRequest, describe_cluster, guest_slots, guest_uses_gpu, reference_in_actor, worker_count
+from .waiting import get_all
 from .workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
 
 # Settings the collective libraries read: passed from the job's environment to every worker, so
 # `NCCL_SOCKET_IFNAME=eth0 cloudrl submit ...` reaches the processes that open the sockets.
 NETWORK_ENV_PREFIXES = ("NCCL_", "GLOO_", "TP_SOCKET_IFNAME", "UCX_", "RCCL_", "HSA_", "HIP_VISIBLE")
 
+WORKER_CLASSES = {"actor": PolicyWorker, "critic": CriticWorker, "reference": ReferenceWorker,
+                  "reward": RewardWorker, "rollout": RolloutWorker}
+
 
 def network_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(NETWORK_ENV_PREFIXES)}
 
 
-class ActorGroup:
-    """`len(bundle_of_rank)` workers of one class, rank r placed in bundle `bundle_of_rank[r]`."""
+@dataclass
+class Slot:
+    """Where one worker runs and what it asks of its bundle."""
 
-    def __init__(self, worker_cls, pg, bundle_of_rank: list[int], per_worker: dict[str, float],
-                 args: tuple, kwargs: dict | None = None, name: str = ""):
+    bundle: int
+    cpus: float
+    gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    visible_gpus: str | None = None
+    """CUDA_VISIBLE_DEVICES for a colocated worker ("" = none); None lets Ray set it."""
+
+
+class ActorGroup:
+    """One role's workers: rank r runs in `slots[r]` of placement group `pg`."""
+
+    def __init__(self, name: str, worker_cls, pg, slots: list[Slot], args: tuple, kwargs: dict | None = None,
+                 timeout_s: float = 600.0):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.name = name or worker_cls.__name__
+        self.name, self.timeout_s = name, timeout_s
         remote_cls = ray.remote(worker_cls)
-        resources = {k: v for k, v in per_worker.items() if k not in ("CPU", "GPU")}
-        env = network_env()
-        self.workers = [
-            remote_cls.options(
-                num_cpus=per_worker.get("CPU", 0), num_gpus=per_worker.get("GPU", 0), resources=resources,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
+        self.workers = []
+        for rank, slot in enumerate(slots):
+            env = network_env()
+            if slot.visible_gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = slot.visible_gpus
+            self.workers.append(remote_cls.options(
+                num_cpus=slot.cpus, num_gpus=slot.gpus, resources=slot.resources,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot.bundle),
                 runtime_env={"env_vars": env} if env else None, max_concurrency=1,
-            ).remote(*args, rank=rank, world_size=len(bundle_of_rank), **(kwargs or {}))
-            for rank, b in enumerate(bundle_of_rank)
-        ]
+            ).remote(*args, rank=rank, world_size=len(slots), **(kwargs or {})))
+        self.places: list[dict] = []
 
     @property
     def world_size(self) -> int:
         return len(self.workers)
 
-    def init_distributed(self) -> None:
-        import ray
-
-        if self.world_size > 1:
-            addr, port = ray.get(self.workers[0].master_address.remote())
-            ray.get([w.init_process_group.remote(addr, port) for w in self.workers])
+    def labels(self) -> list[str]:
+        """`actor rank 1 on 10.0.0.2` per worker, for messages."""
+        ips = [p["ip"] for p in self.places] or [""] * self.world_size
+        return [f"{self.name} rank {r}" + (f" on {ip}" if ip else "") for r, ip in enumerate(ips)]
 
     def where(self) -> list[dict]:
-        import ray
+        """Node, process and GPU ids of every worker; waits (bounded) until all have started."""
+        if not self.places:
+            self.places = get_all([w.where.remote() for w in self.workers], self.labels(), self.timeout_s,
+                                  f"starting the {self.name} workers (loading the model included)")
+        return self.places
 
-        return ray.get([w.where.remote() for w in self.workers])
+    def start_training(self) -> None:
+        """Every rank joins the role's process group (rank 0's node and a free port there), then
+        shards its model and builds its optimizer: FSDP2 needs the group before sharding."""
+        labels = self.labels()
+        (addr, port), = get_all([self.workers[0].master_address.remote()], labels[:1], self.timeout_s,
+                                f"starting the {self.name} workers")
+        get_all([w.start_training.remote(addr, port) for w in self.workers], labels, self.timeout_s,
+                f"{self.name}: joining the process group at {addr}:{port} and sharding")
 
     def kill(self) -> None:
         import ray
@@ -114,58 +141,85 @@ def create_placement_group(request: RoleRequest, timeout_s: float):
     return pg
 
 
-def _slots(request: RoleRequest, count: int, share: float) -> tuple[list[int], dict[str, float]]:
-    """Bundle index per worker (round robin) and each worker's share of its bundle."""
-    per_bundle = -(-count // len(request.bundles))
-    bundle_of_rank = [r // per_bundle for r in range(count)]
-    per_worker = {k: v / per_bundle * share for k, v in request.bundles[0].items()}
-    return bundle_of_rank, per_worker
+def _cpu_share(cpus: float, processes: int) -> float:
+    """An equal part of a bundle's CPUs; Ray takes fractions only below 1, so larger parts are whole."""
+    part = cpus / max(processes, 1)
+    return float(int(part)) if part >= 1 else int(part * 1e4) / 1e4
 
 
-def launch_roles(cfg, model_path: str, critic_path: str) -> Roles:
-    """Check the cluster, create the placement groups and start every role's workers."""
+def plan_slots(cfg, request: RoleRequest, host_gpus: list[list[str]] | None = None) -> dict[str, list[Slot]]:
+    """The slot of every worker in `request`'s bundles: its own role's workers (each asking its bundle's
+    GPUs divided by the workers in it: one GPU per data-parallel rank, tp GPUs per vLLM engine), and its
+    guests' workers, which ask for no GPU and see their block of host ranks' GPUs (`host_gpus[r]` is
+    host rank r's CUDA_VISIBLE_DEVICES ids). CPUs are split evenly between all processes of a bundle."""
+    per_bundle = request.workers_per_bundle
+    guest_blocks = {role: guest_slots(cfg, request, role) for role in request.guests}
+    processes = [per_bundle] * len(request.bundles)
+    for blocks in guest_blocks.values():
+        for block in blocks:
+            processes[request.bundle_of(block[0])] += 1
+    slots: dict[str, list[Slot]] = {request.role: []}
+    for rank in range(request.num_workers):
+        b = request.bundle_of(rank)
+        bundle = request.bundles[b]
+        slots[request.role].append(Slot(
+            bundle=b, cpus=_cpu_share(bundle.get("CPU", 0.0), processes[b]), gpus=bundle.get("GPU", 0.0) / per_bundle,
+            resources={k: v / per_bundle for k, v in bundle.items() if k not in ("CPU", "GPU")},
+            visible_gpus=None if bundle.get("GPU") else ""))
+    for role, blocks in guest_blocks.items():
+        on_gpu = guest_uses_gpu(cfg, role, request)
+        slots[role] = []
+        for block in blocks:
+            b = request.bundle_of(block[0])
+            visible = ",".join(g for r in block for g in host_gpus[r]) if on_gpu and host_gpus else ""
+            slots[role].append(Slot(bundle=b, cpus=_cpu_share(request.bundles[b].get("CPU", 0.0), processes[b]),
+                                    visible_gpus=visible))
+    return slots
+
+
+def launch_roles(cfg, model_path: str, critic_path: str, classes: dict | None = None) -> Roles:
+    """Check the cluster, create the placement groups and start every role's workers.
+
+    `classes` maps role names to worker classes (tests pass light probes to check placement alone)."""
+    classes = {**WORKER_CLASSES, **(classes or {})}
     requests = preflight(cfg)
     cfg_dict = cfg.to_dict()
-    by_role = {r.role: r for r in requests}
-    host_of = {shared: r for r in requests for shared in r.shares}
+    timeout = cfg.trainer.worker_timeout_s
+    args = {"actor": (cfg_dict, model_path), "critic": (cfg_dict, critic_path), "reference": (cfg_dict, model_path),
+            "reward": (cfg_dict, model_path), "rollout": (cfg_dict, model_path)}
+    kwargs = {"actor": {"with_reference": reference_in_actor(cfg)}}
     pgs: dict[str, object] = {}
-    started: list[ActorGroup] = []
+    groups: dict[str, ActorGroup] = {}
+
+    def start(role: str, pg, slots: list[Slot]) -> ActorGroup:
+        assert len(slots) == worker_count(cfg, role), role
+        groups[role] = ActorGroup(role, classes[role], pg, slots, args[role], kwargs.get(role), timeout)
+        return groups[role]
+
     try:
         for req in requests:
             pgs[req.role] = create_placement_group(req, cfg.placement.timeout_s)
-
-        def start(role: str, worker_cls, count: int, args: tuple, kwargs: dict | None = None) -> ActorGroup:
-            req = by_role.get(role) or host_of[role]
-            share = 1.0 / (1 + len(req.shares)) if req.shares else 1.0
-            bundles, per_worker = _slots(req, count, share)
-            group = ActorGroup(worker_cls, pgs[req.role], bundles, per_worker, args, kwargs, name=role)
-            started.append(group)
-            return group
-
-        colocated_ref = cfg.uses_reference and "reference" in by_role["actor"].shares and not cfg.placement.colocate_all
-        actor = start("actor", PolicyWorker, cfg.actor.world_size, (cfg_dict, model_path),
-                      {"with_reference": cfg.uses_reference and (colocated_ref or cfg.placement.colocate_all)})
-        critic = (start("critic", CriticWorker, cfg.critic.world_size, (cfg_dict, critic_path))
-                  if cfg.uses_critic else None)
-        reference = None
-        if cfg.uses_reference and "reference" in by_role:
-            reference = start("reference", ReferenceWorker, cfg.reference.world_size, (cfg_dict, model_path))
-        reward = (start("reward", RewardWorker, cfg.reward.world_size, (cfg_dict, model_path))
-                  if cfg.uses_reward_workers else None)
-        rollout = (actor if cfg.placement.rollout_in_actor
-                   else start("rollout", RolloutWorker, cfg.rollout.num_engines, (cfg_dict, model_path)))
-        roles = Roles(actor=actor, rollout=rollout, reward=reward, critic=critic, reference=reference,
-                      placement_groups=list(pgs.values()))
-        for group in (actor, critic):
-            if group is not None:
-                group.init_distributed()
-        return roles
+        for req in requests:  # hosts first: the guests run on the GPUs Ray gave them
+            start(req.role, pgs[req.role], plan_slots(cfg, req)[req.role])
+        for req in requests:
+            if req.guests:
+                host_gpus = [w["gpus"] for w in groups[req.role].where()]
+                slots = plan_slots(cfg, req, host_gpus)
+                for role in req.guests:
+                    start(role, pgs[req.role], slots[role])
+        for group in groups.values():
+            group.where()  # every worker constructed (models loaded), within trainer.worker_timeout_s
+        for role in ("actor", "critic"):
+            if role in groups:
+                groups[role].start_training()
+        return Roles(actor=groups["actor"], rollout=groups.get("rollout", groups["actor"]), reward=groups.get("reward"),
+                     critic=groups.get("critic"), reference=groups.get("reference"),
+                     placement_groups=list(pgs.values()))
     except BaseException:
         from ray.util import remove_placement_group
 
-        for g in started:
+        for g in groups.values():
             g.kill()
         for pg in pgs.values():
             remove_placement_group(pg)
         raise
-

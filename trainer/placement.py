@@ -3,8 +3,13 @@
 A role's workers are placed through one Ray placement group. Each bundle of that group is one node's
 share of the role (a bundle never spans nodes), so the bundle shapes carry the per-node requirement:
 `actor.nodes=2 actor.gpus_per_node=8` is two bundles of 8 GPUs on two different nodes, and a vLLM engine
-with `rollout.tensor_parallel_size=4` is one bundle of 4 GPUs. Colocated roles reuse the bundles of the
-role they sit with. `check_fits` compares all bundles with the cluster's nodes before any actor starts,
+with `rollout.tensor_parallel_size=4` is one bundle of 4 GPUs. Every data-parallel rank asks Ray for one
+whole GPU of its bundle, so no two ranks of a process group share a device.
+
+Colocated roles ("guests") run in their own processes inside the bundles of the role they sit with
+(their "host") and ask Ray for no GPU: each guest worker is given the GPUs of a block of host ranks
+(`guest_slots`), so an engine under `placement.colocate_all` sees exactly the GPUs its actor ranks train
+on. The reference model under `placement.colocate_actor_ref` lives in the actor's own processes. `check_fits` compares all bundles with the cluster's nodes before any actor starts,
 so a cluster that is too small gives a sentence naming the config keys instead of a pending group.
 """
 
@@ -29,15 +34,60 @@ class RoleRequest:
     workers_per_bundle: int
     keys: str
     """The config keys behind this request, for messages."""
-    shares: list[str] = field(default_factory=list)
-    """Colocated roles that run inside these bundles."""
+    guests: list[str] = field(default_factory=list)
+    """Colocated roles whose workers (own processes) run inside these bundles, on these GPUs."""
 
     @property
     def num_workers(self) -> int:
         return len(self.bundles) * self.workers_per_bundle
 
+    @property
+    def has_gpus(self) -> bool:
+        return any(b.get("GPU", 0) for b in self.bundles)
+
+    def bundle_of(self, rank: int) -> int:
+        return rank // self.workers_per_bundle
+
     def total(self, resource: str) -> float:
         return sum(b.get(resource, 0.0) for b in self.bundles)
+
+
+def reference_in_actor(cfg: Config) -> bool:
+    """The frozen reference model lives in the actor's processes: no workers or GPUs of its own."""
+    p = cfg.placement
+    return cfg.uses_reference and (p.colocate_all or p.colocate_actor_ref)
+
+
+def worker_count(cfg: Config, role: str) -> int:
+    return cfg.rollout.num_engines if role == "rollout" else getattr(cfg, role).world_size
+
+
+def guest_uses_gpu(cfg: Config, role: str, host: RoleRequest) -> bool:
+    """A colocated role computes on its host's GPUs, except reward workers without a reward model."""
+    return host.has_gpus and (role != "reward" or bool(cfg.reward.model_path))
+
+
+def guest_slots(cfg: Config, host: RoleRequest, role: str) -> list[list[int]]:
+    """For each worker of a colocated role, the host ranks whose GPUs (and bundle) it shares.
+
+    A worker on GPUs takes a contiguous block of host ranks inside one bundle (a vLLM engine with
+    tensor_parallel_size=2 takes two actor ranks' GPUs on one node); CPU-only workers go round robin.
+    """
+    count, world = worker_count(cfg, role), host.num_workers
+    if not guest_uses_gpu(cfg, role, host):
+        return [[i % world] for i in range(count)]
+    block = world // count if count <= world and world % count == 0 else 0
+    if not block or host.workers_per_bundle % block:
+        keys = "rollout.num_engines" if role == "rollout" else f"{role}.nodes x {role}.gpus_per_node"
+        raise ConfigError(
+            f"{role} shares the {host.role}'s {world} GPUs ({host.keys}) but its {count} workers ({keys}) "
+            f"cannot each take a whole block of them on one node: use a worker count that divides {world} "
+            f"into blocks within a node's {host.workers_per_bundle} GPUs")
+    if role == "rollout" and cfg.rollout.engine == "vllm" and block != cfg.rollout.tensor_parallel_size:
+        raise ConfigError(
+            f"colocated vLLM engines tile the {host.role}'s {world} GPUs: set rollout.num_engines x "
+            f"rollout.tensor_parallel_size = {world} (now {count} x {cfg.rollout.tensor_parallel_size})")
+    return [list(range(i * block, (i + 1) * block)) for i in range(count)]
 
 
 def _role_request(cfg: Config, role: str) -> RoleRequest:
@@ -83,23 +133,24 @@ def plan(cfg: Config) -> list[RoleRequest]:
     requests = [actor]
     if p.colocate_all:
         # Hybrid engine: everything shares the actor's bundles; engines sleep while the actor trains.
-        actor.shares += ["critic", "reference"] + (["reward"] if cfg.uses_reward_workers else [])
-        actor.shares += [] if p.rollout_in_actor else ["rollout"]
-        return requests
-    if cfg.uses_reference:
-        if p.colocate_actor_ref:
-            actor.shares.append("reference")
-        else:
+        actor.guests += ["critic"] if cfg.uses_critic else []
+        actor.guests += ["reward"] if cfg.uses_reward_workers else []
+        actor.guests += [] if p.rollout_in_actor else ["rollout"]
+    else:
+        if cfg.uses_reference and not reference_in_actor(cfg):
             requests.append(_role_request(cfg, "reference"))
-    if cfg.uses_critic:
-        critic = _role_request(cfg, "critic")
-        requests.append(critic)
-        if p.colocate_critic_reward and cfg.uses_reward_workers:
-            critic.shares.append("reward")
-    if cfg.uses_reward_workers and not (cfg.uses_critic and p.colocate_critic_reward):
-        requests.append(_role_request(cfg, "reward"))
-    if not p.rollout_in_actor:  # otherwise the actor's workers generate: no engines of their own
-        requests.append(_rollout_request(cfg))
+        if cfg.uses_critic:
+            critic = _role_request(cfg, "critic")
+            requests.append(critic)
+            if p.colocate_critic_reward and cfg.uses_reward_workers:
+                critic.guests.append("reward")
+        if cfg.uses_reward_workers and not (cfg.uses_critic and p.colocate_critic_reward):
+            requests.append(_role_request(cfg, "reward"))
+        if not p.rollout_in_actor:  # otherwise the actor's workers generate: no engines of their own
+            requests.append(_rollout_request(cfg))
+    for host in requests:
+        for role in host.guests:
+            guest_slots(cfg, host, role)  # raises when the guests cannot tile the host's GPUs
     return requests
 
 

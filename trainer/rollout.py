@@ -66,6 +66,10 @@ class RolloutEngine(Protocol):
 
     def wake(self) -> None: ...
 
+    def wake_weights(self) -> None: ...
+
+    def wake_kv_cache(self) -> None: ...
+
 
 class HFEngine:
     """Generation with transformers' `generate`, on CPU or one GPU."""
@@ -140,6 +144,12 @@ class HFEngine:
         pass
 
     def wake(self) -> None:
+        pass
+
+    def wake_weights(self) -> None:
+        pass
+
+    def wake_kv_cache(self) -> None:
         pass
 
 

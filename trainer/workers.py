@@ -11,6 +11,7 @@ at import time, so the classes can be read and tested on their own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
@@ -22,6 +23,7 @@ import torch
 from . import ppo_math as pm
 from .batch import Batch, from_wire, position_ids, to_wire
 from .config import config_from_dict
+from .models import dtype_of
 
 
 def forward_logprobs(model, batch: Batch, temperature: float, entropy: str = "none"):
@@ -70,16 +72,21 @@ class WorkerBase:
         quiet_transformers()
         self.cfg = config_from_dict(cfg_dict)
         self.rank, self.world_size = rank, world_size
-        self.device = torch.device("cuda" if torch.cuda.is_available() and _has_ray_gpu() else "cpu")
+        # The GPUs a worker may use are the ones its CUDA_VISIBLE_DEVICES names (Ray sets it for ranks
+        # that own GPUs, the launcher for colocated workers, "" for CPU-only workers); on a machine
+        # without CUDA the same layout runs on CPU (a rehearsal with logical GPUs).
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(self.cfg.trainer.seed + rank)
 
     def where(self) -> dict:
-        """Node and process of this worker (for tests and the placement log)."""
+        """Node, process and GPU ids of this worker (the placement log, and the colocation plan)."""
         import ray
 
         ctx = ray.get_runtime_context()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = [g for g in visible.split(",") if g] if visible is not None else [str(g) for g in ray.get_gpu_ids()]
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "gpus": ray.get_gpu_ids()}
+                "pid": os.getpid(), "gpus": gpus, "device": str(self.device), "sharded": getattr(self, "sharded", False)}
 
     def master_address(self) -> tuple[str, int]:
         import ray
@@ -89,39 +96,52 @@ class WorkerBase:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init_process_group(self, addr: str, port: int) -> None:
+    def init_process_group(self, addr: str, port: int, cpu_offload: bool = False) -> None:
+        """Join the role's process group: NCCL between GPUs (plus gloo for CPU tensors when FSDP keeps
+        parameters on the host), gloo on CPU."""
         import torch.distributed as dist
 
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            backend = "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
+        else:
+            backend = "gloo"
+        timeout = timedelta(seconds=self.cfg.trainer.worker_timeout_s)
         dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(minutes=10))
-
-
-def _has_ray_gpu() -> bool:
-    try:
-        import ray
-
-        return bool(ray.get_gpu_ids())
-    except Exception:
-        return False
+                                world_size=self.world_size, timeout=timeout)
 
 
 class TrainableWorker(WorkerBase):
-    """Optimizer, LR schedule and the data-parallel gradient step shared by policy and critic."""
+    """Optimizer, LR schedule and the data-parallel gradient step shared by policy and critic.
+
+    Construction loads the model with fp32 master weights; `start_training` (called once on every
+    rank by ActorGroup.start_training) joins the process group, then shards and builds the optimizer.
+    Compute runs in `model.dtype`: FSDP2's mixed-precision policy when sharded, autocast otherwise.
+    """
 
     role = "actor"
     model: torch.nn.Module
 
-    def _setup_training(self) -> None:
+    def __init__(self, cfg_dict: dict, rank: int = 0, world_size: int = 1):
+        super().__init__(cfg_dict, rank, world_size)
         rc = getattr(self.cfg, self.role)
+        # FSDP2 over the role's process group: NCCL on GPUs, gloo on CPU (the same code path).
+        self.sharded = rc.fsdp and (self.world_size > 1 or self.device.type == "cuda")
+        self.compute_dtype = dtype_of(self.cfg.model.dtype)
+        self.optimizer = None
+
+    def start_training(self, addr: str = "127.0.0.1", port: int = 0) -> None:
+        rc = getattr(self.cfg, self.role)
+        if self.world_size > 1 or self.sharded:
+            if not port:
+                port = self.master_address()[1]
+            self.init_process_group(addr, port, cpu_offload=self.sharded and rc.cpu_offload)
         if self.cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.to(self.device)
-        self.sharded = self.device.type == "cuda" and rc.fsdp and self.world_size > 1
         if self.sharded:
             from .fsdp import shard_model
 
-            shard_model(self.model, cpu_offload=rc.cpu_offload)
+            shard_model(self.model, self.compute_dtype, cpu_offload=rc.cpu_offload)
         self.model.train()
         # The fused kernel updates every parameter in one call instead of a dozen small ops each;
         # sharded (DTensor) parameters keep torch's default implementation.
@@ -135,6 +155,12 @@ class TrainableWorker(WorkerBase):
         # divided by the global token count, so the sum is the exact global token mean.
         self.grad_scale = float(self.world_size) if self.sharded else 1.0
         self.comm_seconds = 0.0  # gradient all-reduce time of the current update
+
+    def autocast(self):
+        """Compute in model.dtype over fp32 master weights (FSDP2 casts by itself when sharded)."""
+        if self.sharded or self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _step(self, grad_clip: float) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -150,6 +176,8 @@ class TrainableWorker(WorkerBase):
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):  # sharded: the norm over every rank's shards
+            norm = norm.full_tensor()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -157,7 +185,7 @@ class TrainableWorker(WorkerBase):
 
     def _full_state(self, with_optimizer: bool) -> tuple[dict, dict | None]:
         """Unsharded model (and optimizer) state keyed by parameter name, on CPU. Under FSDP this
-        is a collective: every rank must call it."""
+        is a collective: every rank must call it, and only rank 0 receives the tensors."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
 
@@ -214,13 +242,21 @@ class PolicyWorker(TrainableWorker):
 
         cfg = self.cfg
         self.model_path = model_path
-        self.model = load_causal_lm(model_path, cfg.model.dtype, cfg.model.trust_remote_code)
+        self.model = load_causal_lm(model_path, "float32", cfg.model.trust_remote_code)  # master weights
         self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
         self.reference = self.engine = None
-        if with_reference:
+        if with_reference:  # frozen: held in model.dtype, sharded like the policy
             self.reference = load_causal_lm(model_path, cfg.model.dtype, cfg.model.trust_remote_code)
-            self.reference.to(self.device).eval().requires_grad_(False)
-        self._setup_training()
+            self.reference.eval().requires_grad_(False)
+
+    def start_training(self, addr: str = "127.0.0.1", port: int = 0) -> None:
+        super().start_training(addr, port)
+        if self.reference is not None:
+            self.reference.to(self.device)
+            if self.sharded:
+                from .fsdp import shard_model
+
+                shard_model(self.reference, None, cpu_offload=self.cfg.actor.cpu_offload)
 
     def generate(self, prompts: list[list[int]], settings) -> list:
         """Rollout inside the actor (`placement.rollout_in_actor`): sample with the policy being
@@ -231,23 +267,27 @@ class PolicyWorker(TrainableWorker):
             self.engine = HFEngine(self.model, self.tokenizer, self.device)
         self.model.eval()
         try:
-            return Completions(self.engine.generate(prompts, settings))
+            with self.autocast():
+                return Completions(self.engine.generate(prompts, settings))
         finally:
             self.model.train()
 
-    @torch.inference_mode()
+    # no_grad, not inference_mode: inference tensors inside a sharded model (FSDP2's unsharded
+    # parameter storage) could not be updated by the next training step.
+    @torch.no_grad()
     def logprobs(self, batch: Batch) -> torch.Tensor:
         """Log-probs of the sampled tokens under the current policy (the PPO `old` log-probs)."""
-        return self._inference(self.model, batch)
+        with self.autocast():
+            return self._inference(self.model, batch)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def ref_logprobs(self, batch: Batch) -> torch.Tensor:
         return self._inference(self.reference, batch)
 
     def _inference(self, model, batch: Batch) -> torch.Tensor:
         was_training = model.training
         model.eval()
-        out = [forward_logprobs(model, _to(mb, self.device), self.cfg.rollout.temperature)[0].cpu()
+        out = [forward_logprobs(model, _to(mb, self.device), self.cfg.rollout.temperature)[0].float().cpu()
                for mb in batch.chunks(self.cfg.actor.micro_batch_size)]
         model.train(was_training)
         return torch.cat(out)
@@ -264,8 +304,9 @@ class PolicyWorker(TrainableWorker):
             for micro in mini.chunks(a.micro_batch_size):
                 micro = _to(micro, self.device)
                 mask = micro["response_mask"]
-                logprobs, entropy = forward_logprobs(self.model, micro, self.cfg.rollout.temperature,
-                                                     entropy="grad" if a.entropy_coef else "metric")
+                with self.autocast():
+                    logprobs, entropy = forward_logprobs(self.model, micro, self.cfg.rollout.temperature,
+                                                         entropy="grad" if a.entropy_coef else "metric")
                 if "old_logprobs" in micro:
                     old = micro["old_logprobs"]
                 else:  # on-policy: this forward pass is the sampling policy's (see Trainer.on_policy)
@@ -313,16 +354,20 @@ class PolicyWorker(TrainableWorker):
         if self.rank != 0 and not self.sharded:
             return None
         state, _ = self._full_state(with_optimizer=False)
-        return [(name, to_wire(t)) for name, t in state.items()] if self.rank == 0 else None
+        # The engines serve model.dtype (bf16 weights from fp32 master weights).
+        return [(name, to_wire(t.to(self.compute_dtype))) for name, t in state.items()] if self.rank == 0 else None
 
     def open_weight_sync(self, rollout_workers: list, addr: str, port: int) -> None:
-        """GPU only (untested here): an NCCL group with the vLLM engines, or CUDA IPC when they share
-        this worker's GPUs; every actor rank takes part, rank 0 sends."""
+        """GPU only (its protocol is tested against vLLM's classes, not yet run on a GPU): an NCCL group
+        with the vLLM engines, or CUDA IPC when they share this worker's GPUs; every actor rank takes
+        part, rank 0 sends."""
+        from .vllm_engine import transfer_backend
         from .weight_sync import WeightSyncGroup
 
         self.weight_sync = WeightSyncGroup(
             self.model, rollout_workers, rank=self.rank, tensor_parallel_size=self.cfg.rollout.tensor_parallel_size,
-            backend="ipc" if self.cfg.placement.colocate_all else "nccl", master_address=addr, master_port=port)
+            backend=transfer_backend(self.cfg), master_address=addr, master_port=port,
+            timeout_s=self.cfg.trainer.worker_timeout_s, dtype=self.compute_dtype)
 
     def push_weights(self) -> None:
         self.weight_sync.push()
@@ -333,6 +378,8 @@ class PolicyWorker(TrainableWorker):
             return path
         state, _ = self._full_state(with_optimizer=False)
         if self.rank == 0:
+            state = {k: v.to(self.compute_dtype) for k, v in state.items()}
+            self.model.config.torch_dtype = self.compute_dtype
             self.model.save_pretrained(path, state_dict=state)
             self.tokenizer.save_pretrained(path)
         return path
@@ -345,14 +392,14 @@ class CriticWorker(TrainableWorker):
         super().__init__(cfg_dict, rank, world_size)
         from .models import load_value_model
 
-        self.model = load_value_model(model_path, self.cfg.model.dtype, self.cfg.model.trust_remote_code)
-        self._setup_training()
+        self.model = load_value_model(model_path, "float32", self.cfg.model.trust_remote_code)  # master weights
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: see PolicyWorker.logprobs
     def values(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
-        out = [forward_values(self.model, _to(mb, self.device)).cpu()
-               for mb in batch.chunks(self.cfg.critic.micro_batch_size)]
+        with self.autocast():
+            out = [forward_values(self.model, _to(mb, self.device)).float().cpu()
+                   for mb in batch.chunks(self.cfg.critic.micro_batch_size)]
         self.model.train()
         return torch.cat(out)
 
@@ -365,7 +412,8 @@ class CriticWorker(TrainableWorker):
             for micro in mini.chunks(c.micro_batch_size):
                 micro = _to(micro, self.device)
                 mask = micro["response_mask"]
-                values = forward_values(self.model, micro)
+                with self.autocast():
+                    values = forward_values(self.model, micro)
                 loss, stats = pm.value_loss(values, micro["values"], micro["returns"], mask,
                                             c.clip_value or None, normalizer=norm)
                 (loss * self.grad_scale).backward()
@@ -449,6 +497,13 @@ class RolloutWorker(WorkerBase):
 
     def wake(self) -> None:
         self.engine.wake()
+
+    # Colocated GPUs: wake the weights, receive new ones, and only then reallocate the KV cache.
+    def wake_weights(self) -> None:
+        self.engine.wake_weights()
+
+    def wake_kv_cache(self) -> None:
+        self.engine.wake_kv_cache()
 
     # GPU weight sync (weight_sync.py; vLLM engines only): the trainer side drives these.
     def init_weight_transfer(self, init_info: dict) -> None:

@@ -1,0 +1,57 @@
+"""Place every role of a config on a running Ray cluster with light probe workers instead of the real
+ones, and print where each worker landed (JSON). Runs the trainer's own launch code
+(`group.launch_roles`): placement groups, slots, GPU ids of colocated workers.
+
+    RAY_ADDRESS=127.0.0.1:6379 python tests/placement_probe.py '[["--preset", "gsm8k-7b", "key=value"]]'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+class Probe:
+    """Stands in for any role's worker: reports its node and the GPUs it may use, nothing else."""
+
+    def __init__(self, *args, rank: int = 0, world_size: int = 1, **kwargs):
+        self.rank, self.kwargs = rank, kwargs
+
+    def where(self) -> dict:
+        import ray
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = [g for g in visible.split(",") if g] if visible is not None else None
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "gpus": gpus,
+                "ip": ray.util.get_node_ip_address(),
+                "ray_gpus": [str(g) for g in ray.get_gpu_ids()], "kwargs": self.kwargs}
+
+    def master_address(self) -> tuple[str, int]:
+        return "127.0.0.1", 0
+
+    def start_training(self, addr: str, port: int) -> None:
+        pass
+
+
+def main() -> None:
+    import ray
+
+    from cloudrl.trainer.config import load_config
+    from cloudrl.trainer.group import WORKER_CLASSES, launch_roles
+
+    ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR")
+    layouts = []
+    for argv in json.loads(sys.argv[1]):
+        preset, overrides = argv[1], argv[2:]
+        cfg = load_config(preset, overrides)
+        roles = launch_roles(cfg, "unused", "unused", classes={role: Probe for role in WORKER_CLASSES})
+        try:
+            layouts.append({g.name: g.where() for g in roles.groups()})
+        finally:
+            roles.shutdown()
+    print("LAYOUTS " + json.dumps(layouts))
+
+
+if __name__ == "__main__":
+    main()
