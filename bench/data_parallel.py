@@ -25,7 +25,8 @@ def run(gcs: str, run_dir: Path, steps: int, world: int) -> list[dict]:
     overrides = [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.val_every=0",
                  "trainer.save_every=0", "trainer.loggers=[jsonl]", "trainer.export_hf=false",
                  f"actor.nodes={world}", f"critic.nodes={world}",
-                 "actor.micro_batch_size=128", "critic.micro_batch_size=128"]  # the same micro-batches for W=1 and W=2
+                 "actor.micro_batch_size=128", "critic.micro_batch_size=128",  # the same micro-batches for W=1 and W=2
+                 "actor.fsdp=false", "critic.fsdp=false"]  # plain data parallelism: whole copies, gradient all-reduce
     env = {**os.environ, "RAY_ADDRESS": gcs}
     proc = subprocess.run([sys.executable, "-m", "cloudrl.trainer", "--preset", "local", *overrides],
                           env=env, capture_output=True, text=True, timeout=1800)

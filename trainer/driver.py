@@ -355,23 +355,24 @@ class Trainer:
 
     def open_gpu_weight_sync(self) -> bool:
         """vLLM engines on GPUs get weights over NCCL (or CUDA IPC when colocated) instead of the
-        object store. GPU only: not exercised by the CPU test suite."""
+        object store. Only where the actor really computes on CUDA: a rehearsal on logical GPUs
+        keeps the object store. Not yet run on a GPU (its protocol is tested against vLLM's classes)."""
         import ray
 
-        cfg = self.cfg
+        cfg, actor = self.cfg, self.roles.actor
         engines_on_gpu = cfg.rollout.gpus_per_engine > 0 or cfg.rollout.tensor_parallel_size > 1 or cfg.placement.colocate_all
-        if not (cfg.rollout.engine == "vllm" and cfg.actor.gpus_per_node > 0 and engines_on_gpu):
+        on_cuda = actor.where()[0]["device"].startswith("cuda")
+        if not (cfg.rollout.engine == "vllm" and cfg.actor.gpus_per_node > 0 and engines_on_gpu and on_cuda):
             return False
-        addr, port = ray.get(self.roles.actor.workers[0].master_address.remote())
-        ray.get([w.open_weight_sync.remote(self.roles.rollout.workers, addr, port) for w in self.roles.actor.workers])
+        addr, port = ray.get(actor.workers[0].master_address.remote())
+        get_all([w.open_weight_sync.remote(self.roles.rollout.workers, addr, port) for w in actor.workers],
+                actor.labels(), cfg.trainer.worker_timeout_s, f"opening the weight sync with the engines at {addr}:{port}")
         return True
 
     def sync_weights(self) -> None:
         """Rank 0's weights go into the object store once and every engine reads them from there;
         on GPUs with vLLM they are broadcast over NCCL (or shared through CUDA IPC) instead. With the
         rollout inside the actor the engines already use the trained weights."""
-        import ray
-
         if self.roles.rollout_in_actor:
             return
         rollout, actor = self.roles.rollout, self.roles.actor
