@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -40,6 +41,21 @@ def ray_local(private_cache):
         yield ctx.address_info["gcs_address"]
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def local_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int):
+    """A real Ray cluster of `nodes` nodes on 127.0.0.1, brought up and torn down by `cloudrl local`.
+    Logical GPUs: Ray hands out their ids as on GPU nodes; nothing runs CUDA. Yields its state."""
+    from cloudrl.cli import local_cluster as cluster
+
+    os.environ["CLOUDRL_LOCAL_DASHBOARD_PORT"] = "0"
+    state = cluster.up(nodes=nodes, cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, echo=lambda line: None)
+    try:
+        yield state
+    finally:
+        cluster.down(echo=lambda line: None)
+        os.environ.pop("CLOUDRL_LOCAL_DASHBOARD_PORT", None)
 
 
 def run_trainer(*args: str, env: dict | None = None, timeout: float = 300):

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_trainer
+from conftest import REPO, local_cluster, run_trainer
 
 pytestmark = pytest.mark.ray
 
@@ -32,15 +32,8 @@ TINY = ["model.path=builtin:tiny", "data.train_files=builtin:arithmetic", "rewar
 @pytest.fixture(scope="module")
 def gpu_nodes(private_cache):
     """2 nodes x (8 logical GPUs, 40 logical CPUs), brought up and torn down by `cloudrl local`."""
-    from cloudrl.cli import local_cluster
-
-    os.environ["CLOUDRL_LOCAL_DASHBOARD_PORT"] = "0"
-    state = local_cluster.up(nodes=2, cpus_per_node=40, gpus_per_node=8, echo=lambda line: None)
-    try:
+    with local_cluster(nodes=2, cpus_per_node=40, gpus_per_node=8) as state:
         yield state
-    finally:
-        local_cluster.down(echo=lambda line: None)
-        os.environ.pop("CLOUDRL_LOCAL_DASHBOARD_PORT", None)
 
 
 LAYOUTS = {

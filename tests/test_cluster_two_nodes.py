@@ -9,14 +9,13 @@ other's node.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import run_trainer, tiny_overrides
+from conftest import local_cluster, run_trainer, tiny_overrides
 
 pytestmark = pytest.mark.ray
 
@@ -26,15 +25,8 @@ def two_nodes(tmp_path_factory, private_cache):
     """A real 2-node Ray cluster (3 logical CPUs and 2 logical GPUs each: Ray schedules GPUs as
     numbers, so the placement checks see GPU nodes; nothing here runs CUDA), brought up and torn
     down by `cloudrl local`."""
-    from cloudrl.cli import local_cluster
-
-    os.environ["CLOUDRL_LOCAL_DASHBOARD_PORT"] = "0"
-    state = local_cluster.up(nodes=2, cpus_per_node=3, gpus_per_node=2, echo=lambda line: None)
-    try:
+    with local_cluster(nodes=2, cpus_per_node=3, gpus_per_node=2) as state:
         yield state
-    finally:
-        local_cluster.down(echo=lambda line: None)
-        os.environ.pop("CLOUDRL_LOCAL_DASHBOARD_PORT", None)
 
 
 def test_actor_ranks_run_on_different_nodes(two_nodes, tmp_path):
