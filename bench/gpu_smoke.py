@@ -4,6 +4,7 @@
     python bench/gpu_smoke.py --model /path/to/checkpoint       # a real local checkpoint instead
     python bench/gpu_smoke.py --model tiny --steps 2            # the built-in tiny model (CPU, CI)
     python bench/gpu_smoke.py --out results.json                # also write the results as JSON
+    python bench/gpu_smoke.py --world 2                         # 2 GPUs: FSDP2 over NCCL across 2 ranks
 
 Needs torch and transformers only (Ray and vLLM are imported only if installed, vLLM only with CUDA).
 It runs trainer/workers.py's PolicyWorker as one rank (world size 1): the NCCL process group, FSDP2
@@ -15,9 +16,10 @@ throughput, trainer-vs-engine log-prob gap, peak memory, an MFU estimate against
 default 989 = H100 SXM dense bf16) and exits 1 unless every parameter changed and all numbers are finite.
 With CUDA and vLLM 0.32 installed it also runs a VLLMEngine with sleep mode and a weight reload.
 
-What it does not show: more than one rank (NCCL collectives across GPUs or nodes, FSDP sharding that
-actually splits parameters), the NCCL and CUDA IPC weight transfer to vLLM (weight_sync.py), and
-anything about Ray actors and placement. On CPU (`--device cpu`, the default without CUDA) the worker
+With `--world N` it runs one process per rank (GPU r as that process's only device): FSDP2 really splits
+the parameters and NCCL carries the collectives; rank 0 generates and broadcasts the batch. What it does
+not show: NCCL across nodes, the NCCL and CUDA IPC weight transfer to vLLM (weight_sync.py), and anything
+about Ray actors and placement. On CPU (`--device cpu`, the default without CUDA) the worker
 does not shard (FSDP applies to CPU workers only when there are several), and runs in float32.
 """
 
@@ -32,6 +34,7 @@ import os
 import platform
 import resource
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -121,6 +124,28 @@ def vllm_section(args, model_path: str, worker, prompts, settings, overrides) ->
             "vllm_logprob_diff_after_reload": diff}
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_ranks(args, argv: list[str]) -> int:
+    """Run this script once per rank (one GPU each, as CUDA_VISIBLE_DEVICES) and wait for all of them."""
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    if cuda and torch.cuda.device_count() < args.world:
+        print(f"--world {args.world} needs {args.world} GPUs; torch sees {torch.cuda.device_count()}", file=sys.stderr)
+        return 1
+    port = free_port()
+    procs = []
+    for rank in range(args.world):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank) if cuda else ""}
+        procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--rank", str(rank), "--port", str(port)],
+                                      env=env))
+    codes = [p.wait() for p in procs]
+    return max(codes)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="", help="'tiny' (builtin:tiny), a local checkpoint, or empty: a random Qwen2")
@@ -139,7 +164,14 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-memory", type=float, default=0.3, help="rollout.gpu_memory_utilization for vLLM")
     p.add_argument("--fsdp-on-cpu", action="store_true", help="shard with FSDP2 over gloo on CPU too (world size 1)")
     p.add_argument("--out", default="", help="write the results as JSON here")
+    p.add_argument("--world", type=int, default=1,
+                   help="ranks, one process and one GPU each: FSDP2 over NCCL (gloo on CPU) across them")
+    p.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher below
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.world > 1 and args.rank < 0:
+        return launch_ranks(args, sys.argv[1:] if argv is None else list(argv))
+    rank, world = max(args.rank, 0), args.world
 
     if args.device == "cpu":  # the worker takes CUDA whenever torch sees a device
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -172,16 +204,13 @@ def main(argv=None) -> int:
                  f"trainer.run_dir={tmp.name}/run"]
     cfg = load_config("local", overrides)
 
-    worker = PolicyWorker(cfg.to_dict(), model_path, rank=0, world_size=1, with_reference=True)
+    worker = PolicyWorker(cfg.to_dict(), model_path, rank=rank, world_size=world, with_reference=True)
     params = sum(t.numel() for t in worker.model.parameters())
     initial = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
     if args.fsdp_on_cpu and not cuda:  # the worker shards a lone CPU rank only when asked here
         worker.sharded = True
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    worker.start_training("127.0.0.1", port)  # the NCCL (CUDA) or gloo process group, FSDP2, AdamW
-    engine = HFEngine.load(model_path, dtype, str(device))
+    worker.start_training("127.0.0.1", args.port or free_port())  # NCCL (CUDA) or gloo group, FSDP2, AdamW
+    engine = HFEngine.load(model_path, dtype, str(device)) if rank == 0 else None
     settings = SamplingSettings.from_config(cfg.rollout, seed=cfg.trainer.seed)
     prompts = make_prompts(worker.tokenizer, args.prompts, cfg.trainer.seed)
     gen = torch.Generator().manual_seed(cfg.trainer.seed)
@@ -191,42 +220,62 @@ def main(argv=None) -> int:
     steps = []
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        engine.load_weights((name, from_wire(t)) for name, t in worker.weights())
-        t1 = clock(cuda)
-        out = engine.generate(prompts, dataclasses.replace(settings, seed=cfg.trainer.seed + step))
-        t2 = clock(cuda)
-        batch = build_batch([q for q in prompts for _ in range(args.n)], [c.token_ids for c in out],
-                            worker.tokenizer.pad_token_id, [c.logprobs for c in out])
+        weights = worker.weights()  # a collective under FSDP: every rank gathers, rank 0 receives
+        batch = None
+        if rank == 0:  # rank 0 generates, like a rollout engine; the batch then reaches every rank
+            engine.load_weights((name, from_wire(t)) for name, t in weights)
+            t1 = clock(cuda)
+            out = engine.generate(prompts, dataclasses.replace(settings, seed=cfg.trainer.seed + step))
+            t2 = clock(cuda)
+            batch = build_batch([q for q in prompts for _ in range(args.n)], [c.token_ids for c in out],
+                                worker.tokenizer.pad_token_id, [c.logprobs for c in out])
+        if world > 1:
+            box = [batch]
+            torch.distributed.broadcast_object_list(box, src=0)
+            batch = box[0]
+        if rank != 0:
+            t1 = t2 = t0
         mask = batch["response_mask"]
         logprobs = worker.logprobs(batch)
         batch["ref_logprobs"] = worker.ref_logprobs(batch)
         scores = torch.randn(seqs, generator=gen).view(args.prompts, args.n)
         scores = (scores - scores.mean(1, keepdim=True)) / (scores.std(1, keepdim=True) + 1e-6)
         batch["advantages"] = scores.view(-1, 1) * mask
-        shards, norms = update_shards(batch, 1, cfg.actor, cfg.trainer.seed + step)
+        shards, norms = update_shards(batch, world, cfg.actor, cfg.trainer.seed + step)
         t3 = clock(cuda)
-        stats = combine([worker.update(shards[0], norms, cfg.algorithm.kl_coef)])
+        stats = worker.update(shards[rank], norms, cfg.algorithm.kl_coef)
         t4 = clock(cuda)
+        every = [stats]
+        if world > 1:
+            every = [None] * world
+            torch.distributed.all_gather_object(every, stats)
+        stats = combine(every)
         steps.append(dict(sync_s=t1 - t0, gen_s=t2 - t1, gen_tokens=int(mask.sum()), update_s=t4 - t3,
                           update_tokens=int(batch["attention_mask"].sum()),
                           logprob_diff=masked_mean_abs(logprobs, batch["engine_logprobs"], mask),
                           update_logprob_diff=stats.get("rollout/logprob_diff", float("nan")),
                           pg_loss=stats["actor/pg_loss"], kl=stats.get("actor/kl_loss", 0.0),
                           grad_norm=stats["actor/grad_norm"]))
-        print(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in steps[-1].items()), flush=True)
+        if rank == 0:
+            print(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in steps[-1].items()), flush=True)
 
-    final = worker.get_state()["model"]
+    final = worker.get_state()  # a collective under FSDP; only rank 0 receives the state
+    if rank != 0:
+        torch.distributed.destroy_process_group()
+        return 0
+    final = final["model"]
     unchanged = [k for k, v in initial.items() if torch.equal(v, final[k].to(v.dtype))]
     timed = steps[1:] or steps  # step 1 pays for kernel selection and allocator growth
     mean = {k: sum(s[k] for s in timed) / len(timed) for k in timed[0]}
     update_tps = mean["update_tokens"] / mean["update_s"]
     if cuda:
         name, peak_mem = torch.cuda.get_device_name(), torch.cuda.max_memory_allocated() / 2**30
-        mfu = 6 * params * update_tps / (args.peak_tflops * 1e12)
+        mfu = 6 * params * update_tps / (args.peak_tflops * 1e12 * world)
     else:
         name = f"cpu {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
         peak_mem, mfu = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, None
-    res = {"device": name, "dtype": dtype, "sharded": bool(worker.sharded), "params": params, "steps": args.steps,
+    res = {"device": name, "world": world, "dtype": dtype, "sharded": bool(worker.sharded), "params": params,
+           "steps": args.steps,
            "sequences_per_step": seqs, "gen_tokens_per_s": mean["gen_tokens"] / mean["gen_s"],
            "weight_sync_s": mean["sync_s"], "update_s_per_step": mean["update_s"], "update_tokens_per_s": update_tps,
            "rollout/logprob_diff": steps[-1]["logprob_diff"],
@@ -239,6 +288,8 @@ def main(argv=None) -> int:
 
     if args.vllm == "off":
         res["vllm"] = "skipped: --vllm off"
+    elif world > 1:
+        res["vllm"] = "skipped: run it with --world 1"
     elif not cuda:
         res["vllm"] = "skipped: needs CUDA (the CPU engine is covered by tests/test_vllm_engine.py)"
     elif importlib.util.find_spec("vllm") is None:
@@ -254,7 +305,7 @@ def main(argv=None) -> int:
             res["vllm"] = f"FAILED: {type(exc).__name__}: {exc}"
     res["modules_loaded"] = [m for m in ("ray", "vllm") if sys.modules.get(m) is not None]
 
-    rows = [("device", res["device"]), ("dtype", dtype), ("sharded (FSDP2)", res["sharded"]),
+    rows = [("device", res["device"]), ("ranks", world), ("dtype", dtype), ("sharded (FSDP2)", res["sharded"]),
             ("parameters", f"{params / 1e6:.1f}M"), ("sequences per step", seqs),
             ("generation tokens/s (HFEngine)", f"{res['gen_tokens_per_s']:.0f}"),
             ("weight sync s (weights -> load_weights)", f"{res['weight_sync_s']:.3f}"),

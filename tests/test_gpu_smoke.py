@@ -57,3 +57,17 @@ def test_gpu_smoke_fsdp_bf16_without_installed_package(tmp_path):
     check_results(res)
     assert res["dtype"] == "bfloat16" and res["sharded"] is True
     assert res["rollout/logprob_diff_max"] < 0.05
+
+
+def test_gpu_smoke_with_two_ranks(tmp_path):
+    """`--world 2`: one process per rank, FSDP2 over gloo here as over NCCL on two GPUs; rank 0 generates
+    and the batch reaches rank 1 through the process group."""
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, "bench/gpu_smoke.py", "--device", "cpu", "--model", "tiny", "--steps", "2",
+                           "--world", "2", "--prompts", "4", "--max-new-tokens", "8", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["world"] == 2 and res["sharded"] is True
+    assert res["params_changed"] == res["params_total"] > 0
+    assert res["rollout/logprob_diff_max"] < 1e-3  # float32: the gathered weights are the engine's weights
