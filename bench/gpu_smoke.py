@@ -243,7 +243,7 @@ def main(argv=None) -> int:
         batch["advantages"] = scores.view(-1, 1) * mask
         shards, norms = update_shards(batch, world, cfg.actor, cfg.trainer.seed + step)
         t3 = clock(cuda)
-        stats = worker.update(shards[rank], norms, cfg.algorithm.kl_coef)
+        stats = worker.update(shards[rank], norms, cfg.algorithm.kl_coef).stats
         t4 = clock(cuda)
         every = [stats]
         if world > 1:

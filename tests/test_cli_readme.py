@@ -1,8 +1,9 @@
 """The documented commands: every `cloudrl ...` line parses, and the marked blocks run exactly as written.
 
-Blocks after a `<!-- cloudrl:test ...-->` line run here with bash; blocks after `<!-- cloudrl:ci ...-->`
-(minutes long) run only when CLOUDRL_RUN_DOC_CI=1, which .ci/run sets. Each run gets its own
-CLOUDRL_CACHE and a free dashboard port, and whatever cluster it leaves is stopped by PID.
+The documents are README.md and docs/*.md. Blocks after a `<!-- cloudrl:test ...-->` line run here with
+bash; blocks after `<!-- cloudrl:ci ...-->` (minutes long) run only when CLOUDRL_RUN_DOC_CI=1, which
+.ci/run sets. Each run gets its own CLOUDRL_CACHE and a free dashboard port, and whatever cluster it
+leaves is stopped by PID.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from cli_helpers import cli_env, local_state, pids_alive, process_tree, run_cli
 from cloudrl.cli.app import app
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [p for p in (REPO / "docs" / "cli.md", REPO / "README.md") if p.exists()]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(?:<!-- cloudrl:(?P<mark>test|ci)\b[^>]*-->\s*\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
 
 
@@ -29,7 +30,7 @@ def blocks(kind: str | None = None) -> list[tuple[str, str]]:
     for doc in DOCS:
         for i, m in enumerate(BLOCK.finditer(doc.read_text())):
             if m["lang"] == "bash" and (kind is None or m["mark"] == kind):
-                found.append((f"{doc.name}#{i}", m["body"]))
+                found.append((f"{doc.relative_to(REPO).as_posix()}#{i}", m["body"]))
     return found
 
 
@@ -49,7 +50,7 @@ def parse(args: list[str]) -> None:
 
 
 def test_docs_have_runnable_blocks() -> None:
-    assert DOCS and blocks("test"), "README.md lost its tested quick-start block"
+    assert blocks("test"), "README.md and docs/*.md lost their tested quick-start block"
 
 
 @pytest.mark.parametrize("line", cloudrl_lines())

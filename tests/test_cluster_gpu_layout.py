@@ -4,7 +4,7 @@ Ray hands out GPU ids and sets CUDA_VISIBLE_DEVICES exactly as on GPU nodes; not
 placement tests start light probes through the trainer's own launch code and check every rank's node
 and GPU ids; the rehearsal runs the shipped `gsm8k-7b` layout end to end (tiny model, built-in data) with
 the real workers: one rank per logical GPU, FSDP2 over gloo, engines on their own GPUs. What only a
-GPU shows (kernels, NCCL, CUDA IPC, memory) is listed in README.md, "What is rehearsed on CPU".
+GPU shows (kernels, NCCL, CUDA IPC, memory) is listed in docs/multinode.md, "The GPU path".
 
 Like test_cluster_two_nodes.py, every driver here is a subprocess, and this module runs before any test
 starts the session's in-process Ray instance.

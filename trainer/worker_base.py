@@ -12,6 +12,7 @@ import functools
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -211,6 +212,18 @@ class TrainableWorker(WorkerBase):
         set_model_state_dict(self.model, state["model"], options=options)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+@dataclass
+class UpdateResult:
+    """What a trained role's `update` returns to the driver."""
+
+    stats: dict
+    """Token-weighted sums of the rank's statistics (Accumulator.result); driver.combine merges ranks."""
+    completions: list = field(default_factory=list)
+    """The next step's samples, when the call was asked for them (placement.rollout_in_actor)."""
+    sample_seconds: float = 0.0
+    """Seconds spent sampling them."""
 
 
 class Accumulator:

@@ -19,8 +19,8 @@ import torch
 
 from . import ppo_math as pm
 from .batch import Batch, from_wire, to_wire
-from .worker_base import (Accumulator, TrainableWorker, WorkerBase, forward_logprobs, forward_values,
-                          to_device)
+from .worker_base import (Accumulator, TrainableWorker, UpdateResult, WorkerBase, forward_logprobs,
+                          forward_values, to_device)
 
 
 class PolicyWorker(TrainableWorker):
@@ -83,9 +83,21 @@ class PolicyWorker(TrainableWorker):
         model.train(was_training)
         return torch.cat(out)
 
-    def update(self, shard: Batch, normalizers: list[float], kl_coef: float) -> dict:
+    def update(self, shard: Batch, normalizers: list[float], kl_coef: float,
+               sample_prompts: list[list[int]] | None = None, settings=None) -> UpdateResult:
         """PPO epochs over this rank's part of every mini-batch. `normalizers[i]` is the global
-        number of response tokens in mini-batch i (over all ranks)."""
+        number of response tokens in mini-batch i (over all ranks).
+
+        With `sample_prompts` (placement.rollout_in_actor) the rank then samples them with the
+        updated policy: the next step's rollout, in the same call, saving a driver round trip."""
+        result = UpdateResult(self._ppo_epochs(shard, normalizers, kl_coef))
+        if sample_prompts:
+            start = time.perf_counter()
+            result.completions = self.generate(sample_prompts, settings)
+            result.sample_seconds = time.perf_counter() - start
+        return result
+
+    def _ppo_epochs(self, shard: Batch, normalizers: list[float], kl_coef: float) -> dict:
         a, alg = self.cfg.actor, self.cfg.algorithm
         per_rank = shard.size // len(normalizers)
         acc = Accumulator()
@@ -126,18 +138,6 @@ class PolicyWorker(TrainableWorker):
         acc.add("actor/lr", self.scheduler.get_last_lr()[0], 1.0)
         acc.add("timing/comm_actor", self.comm_seconds, 1.0)
         return acc.result()
-
-    def update_then_generate(self, shard: Batch, normalizers: list[float], kl_coef: float,
-                             prompts: list[list[int]], settings) -> tuple[dict, list, float]:
-        """This step's update, then the next step's rollout with the updated policy, in one call
-        (`placement.rollout_in_actor`): one driver round trip per step instead of two. Returns the
-        update's statistics, the completions and the seconds spent generating."""
-        stats = self.update(shard, normalizers, kl_coef)
-        if not prompts:  # more actor workers than prompts
-            return stats, [], 0.0
-        start = time.perf_counter()
-        completions = self.generate(prompts, settings)
-        return stats, completions, time.perf_counter() - start
 
     def weights(self) -> list[tuple[str, object]] | None:
         """The policy's parameters by Hugging Face name, on CPU, for the rollout engines (rank 0;
@@ -194,7 +194,7 @@ class CriticWorker(TrainableWorker):
         self.model.train()
         return torch.cat(out)
 
-    def update(self, shard: Batch, normalizers: list[float]) -> dict:
+    def update(self, shard: Batch, normalizers: list[float]) -> UpdateResult:
         c = self.cfg.critic
         per_rank = shard.size // len(normalizers)
         acc = Accumulator()
@@ -214,7 +214,7 @@ class CriticWorker(TrainableWorker):
                     acc.add(f"critic/{name}", value, tokens)
             acc.add("critic/grad_norm", self._step(c.grad_clip), 1.0)
         acc.add("timing/comm_critic", self.comm_seconds, 1.0)
-        return acc.result()
+        return UpdateResult(acc.result())
 
 
 class ReferenceWorker(WorkerBase):
