@@ -235,8 +235,6 @@ def test_tensor_parallel_wider_than_a_node_fails_before_any_actor():
 
 def test_weight_sync_client_gives_each_engine_its_own_nccl_ranks(monkeypatch):
     """The GPU path can't run here; its one piece of our own logic, the rank layout, can."""
-    import ray
-
     from cloudrl.trainer.weight_sync import EngineClient
 
     class Method:
