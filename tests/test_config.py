@@ -114,6 +114,13 @@ def test_positive_keys(key: str, value: int) -> None:
     assert error_of([f"{key}={value}"]) == f"{key} must be > 0; got {value}"
 
 
+@pytest.mark.parametrize("value", ["0", "-5", ".nan"])
+@pytest.mark.parametrize("key", ["trainer.worker_timeout_s", "placement.timeout_s"])
+def test_timeouts_are_positive(key: str, value: str) -> None:
+    """A negative wait would reach Ray as an exception deep in the run; NaN would never time out."""
+    assert error_of([f"{key}={value}"]).startswith(f"{key} must be > 0; got ")
+
+
 @pytest.mark.parametrize("algorithm", GROUP_ALGORITHMS)
 def test_group_algorithms_need_two_samples_per_prompt(algorithm: str) -> None:
     assert_names(error_of([f"algorithm.name={algorithm}", "rollout.n=1"]),

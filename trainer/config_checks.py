@@ -83,7 +83,7 @@ def coerce(key: str, value: Any, want: Any) -> Any:
 
 
 def _positive(key: str, value: float) -> None:
-    if value <= 0:
+    if not value > 0:  # NaN too
         raise ConfigError(f"{key} must be > 0; got {value}")
 
 
@@ -92,7 +92,8 @@ def validate(cfg: Any) -> None:
     a, r = cfg.algorithm, cfg.rollout
     for key in ("data.train_batch_size", "rollout.n", "rollout.max_new_tokens", "rollout.num_engines",
                 "rollout.tensor_parallel_size", "actor.mini_batch_size", "actor.micro_batch_size",
-                "actor.ppo_epochs", "trainer.total_steps", "trainer.keep_last", "data.max_prompt_length"):
+                "actor.ppo_epochs", "trainer.total_steps", "trainer.keep_last", "data.max_prompt_length",
+                "trainer.worker_timeout_s", "placement.timeout_s"):
         section, name = key.split(".")
         _positive(key, getattr(getattr(cfg, section), name))
     if cfg.uses_groups and r.n < 2:
