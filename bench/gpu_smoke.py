@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     import_trainer()
     from cloudrl.trainer.batch import build_batch, from_wire
     from cloudrl.trainer.config import load_config
-    from cloudrl.trainer.driver import combine, update_shards
+    from cloudrl.trainer.batch import update_shards
+    from cloudrl.trainer.metrics import combine
     from cloudrl.trainer.models import quiet_transformers, resolve_path
     from cloudrl.trainer.rollout import HFEngine, SamplingSettings
     from cloudrl.trainer.workers import PolicyWorker

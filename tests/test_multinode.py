@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from cloudrl.trainer.batch import build_batch, from_wire
+from cloudrl.trainer.batch import build_batch, from_wire, update_shards
 from cloudrl.trainer.config import load_config
-from cloudrl.trainer.driver import train, update_shards
+from cloudrl.trainer.driver import train
 from cloudrl.trainer.group import ActorGroup, create_placement_group, plan_slots
 from cloudrl.trainer.models import resolve_path
 from cloudrl.trainer.placement import ClusterTooSmall, check_fits, plan

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from cloudrl.trainer.batch import from_wire
+from cloudrl.trainer.batch import from_wire, update_shards
 from cloudrl.trainer.config import ConfigError, load_config
-from cloudrl.trainer.driver import train, update_shards
+from cloudrl.trainer.driver import train
 from cloudrl.trainer.models import load_causal_lm, load_tokenizer, resolve_path
 from cloudrl.trainer.placement import plan
 from cloudrl.trainer.rollout import HFEngine, SamplingSettings

@@ -5,6 +5,9 @@ Layout (N sequences, P prompt positions, R response positions):
     attention_mask  [N, P+R]  1 on real tokens
     response_mask   [N, R]    1 on real response tokens
 Roles add per-token tensors of shape [N, R] (logprobs, ref_logprobs, values, advantages, ...).
+
+Also how a step's batch is split between workers: `update_shards` (mini-batches per rank, with the
+global token counts that normalise the loss), `split_batch` and `split_evenly` (contiguous parts).
 """
 
 from __future__ import annotations
@@ -101,3 +104,33 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
             [lp[:len(r)] + [0.0] * (width_r - len(r)) for lp, r in zip(engine_logprobs, responses)],
             dtype=torch.float32)
     return batch
+
+
+def update_shards(batch: Batch, world: int, role_cfg, seed: int) -> tuple[list[Batch], list[float]]:
+    """Split a step's sequences into mini-batches (shuffled per epoch) and give each rank its
+    contiguous part of every mini-batch. Returns the per-rank batches and each mini-batch's global
+    response-token count, the loss normaliser that makes W ranks add up to one big batch."""
+    n, mini = batch.size, role_cfg.mini_batch_size
+    gen = torch.Generator().manual_seed(seed)
+    parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    normalizers: list[float] = []
+    for _ in range(role_cfg.ppo_epochs):
+        order = torch.randperm(n, generator=gen) if n > mini else torch.arange(n)
+        for start in range(0, n, mini):
+            idx = order[start:start + mini]
+            normalizers.append(max(float(batch["response_mask"][idx].sum()), 1.0))
+            for rank, chunk in enumerate(idx.chunk(world)):
+                parts[rank].append(chunk)
+    return [batch.select(torch.cat(p)) for p in parts], normalizers
+
+
+def split_batch(batch: Batch, parts: int) -> list[Batch]:
+    """Contiguous, near-equal parts of a batch, one per worker. A part is empty only when the batch is
+    smaller than the group: never for actor and critic, whose batches the config keeps at least as large
+    as their rank count (under FSDP every rank must take part in each call)."""
+    return [batch.select(idx) for idx in torch.arange(batch.size).tensor_split(parts)]
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    """Contiguous, near-equal parts, one per worker (so each prompt's samples stay together)."""
+    return [[items[i] for i in idx.tolist()] for idx in torch.arange(len(items)).tensor_split(parts)]

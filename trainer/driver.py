@@ -19,11 +19,11 @@ import torch
 
 from . import checkpoint
 from . import ppo_math as pm
-from .batch import Batch, build_batch
+from .batch import Batch, build_batch, split_batch, split_evenly, update_shards
 from .cluster import connect
 from .config import Config
 from .data import PromptLoader, PromptRecord, load_prompts
-from .metrics import MetricsLogger, Timer
+from .metrics import MetricsLogger, Timer, combine, format_summary
 from .models import load_tokenizer, quiet_transformers, resolve_path
 from .rewards import resolve_reward_fn, score_responses
 from .rollout import SamplingSettings
@@ -441,60 +441,3 @@ class Trainer:
         (Path(cfg.trainer.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
         print(format_summary(summary), flush=True)
         return summary
-
-
-def update_shards(batch: Batch, world: int, role_cfg, seed: int) -> tuple[list[Batch], list[float]]:
-    """Split a step's sequences into mini-batches (shuffled per epoch) and give each rank its
-    contiguous part of every mini-batch. Returns the per-rank batches and each mini-batch's global
-    response-token count, the loss normaliser that makes W ranks add up to one big batch."""
-    n, mini = batch.size, role_cfg.mini_batch_size
-    gen = torch.Generator().manual_seed(seed)
-    parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    normalizers: list[float] = []
-    for _ in range(role_cfg.ppo_epochs):
-        order = torch.randperm(n, generator=gen) if n > mini else torch.arange(n)
-        for start in range(0, n, mini):
-            idx = order[start:start + mini]
-            normalizers.append(max(float(batch["response_mask"][idx].sum()), 1.0))
-            for rank, chunk in enumerate(idx.chunk(world)):
-                parts[rank].append(chunk)
-    return [batch.select(torch.cat(p)) for p in parts], normalizers
-
-
-def split_batch(batch: Batch, parts: int) -> list[Batch]:
-    """Contiguous, near-equal parts of a batch, one per worker. A part is empty only when the batch is
-    smaller than the group: never for actor and critic, whose batches the config keeps at least as large
-    as their rank count (under FSDP every rank must take part in each call)."""
-    return [batch.select(idx) for idx in torch.arange(batch.size).tensor_split(parts)]
-
-
-def split_evenly(items: list, parts: int) -> list[list]:
-    """Contiguous, near-equal parts, one per worker (so each prompt's samples stay together)."""
-    return [[items[i] for i in idx.tolist()] for idx in torch.arange(len(items)).tensor_split(parts)]
-
-
-def combine(results: list[dict]) -> dict:
-    """Token-weighted means over ranks of the statistics workers accumulated."""
-    sums: dict[str, float] = {}
-    weights: dict[str, float] = {}
-    for r in results:
-        for k, v in r["sums"].items():
-            sums[k] = sums.get(k, 0.0) + v
-            weights[k] = weights.get(k, 0.0) + r["weights"][k]
-    return {k: sums[k] / weights[k] if weights[k] else float("nan") for k in sums}
-
-
-def _fmt(x) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
-
-
-def format_summary(s: dict) -> str:
-    lines = ["summary:", f"  steps:            {s['steps']}" + (f" (resumed at step {s['resumed_from']})"
-                                                              if s["resumed_from"] else "")]
-    lines.append(f"  val reward:       {_fmt(s['val_reward_before_rl'])} before RL -> {_fmt(s['val_reward_after_rl'])} "
-                 f"after (greedy, held-out prompts)")
-    lines.append(f"  rollout reward:   {_fmt(s['rollout_reward_first'])} first step -> {_fmt(s['rollout_reward_last'])} last step")
-    lines.append(f"  checkpoint:       {s['checkpoint']}")
-    lines.append(f"  exported model:   {s['exported_model'] or 'off (trainer.export_hf=false)'}")
-    lines.append(f"  metrics:          {s['metrics']}")
-    return "\n".join(lines)

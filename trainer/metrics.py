@@ -4,6 +4,8 @@ Names carry their namespace (`rollout/reward_mean`, `actor/pg_loss`, `timing/ste
 line has a fixed shape that `cloudrl status` reads back from the job logs:
 
     step 3/40 [###.......] | rollout/reward_mean=0.531 actor/pg_loss=-0.012 ... | 1.23 s/step
+
+Also: `combine` (the token-weighted means of statistics over a role's ranks) and the run's summary text.
 """
 
 from __future__ import annotations
@@ -103,3 +105,30 @@ class Timer:
     def add(self, name: str, seconds: float) -> None:
         """Count `seconds` towards `timing/<name>` (negative: take them off)."""
         self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + seconds
+
+
+def combine(results: list[dict]) -> dict:
+    """Token-weighted means over ranks of the statistics workers accumulated."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for r in results:
+        for k, v in r["sums"].items():
+            sums[k] = sums.get(k, 0.0) + v
+            weights[k] = weights.get(k, 0.0) + r["weights"][k]
+    return {k: sums[k] / weights[k] if weights[k] else float("nan") for k in sums}
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def format_summary(s: dict) -> str:
+    lines = ["summary:", f"  steps:            {s['steps']}" + (f" (resumed at step {s['resumed_from']})"
+                                                              if s["resumed_from"] else "")]
+    lines.append(f"  val reward:       {_fmt(s['val_reward_before_rl'])} before RL -> {_fmt(s['val_reward_after_rl'])} "
+                 f"after (greedy, held-out prompts)")
+    lines.append(f"  rollout reward:   {_fmt(s['rollout_reward_first'])} first step -> {_fmt(s['rollout_reward_last'])} last step")
+    lines.append(f"  checkpoint:       {s['checkpoint']}")
+    lines.append(f"  exported model:   {s['exported_model'] or 'off (trainer.export_hf=false)'}")
+    lines.append(f"  metrics:          {s['metrics']}")
+    return "\n".join(lines)

@@ -219,7 +219,7 @@ class UpdateResult:
     """What a trained role's `update` returns to the driver."""
 
     stats: dict
-    """Token-weighted sums of the rank's statistics (Accumulator.result); driver.combine merges ranks."""
+    """Token-weighted sums of the rank's statistics (Accumulator.result); metrics.combine merges ranks."""
     completions: list = field(default_factory=list)
     """The next step's samples, when the call was asked for them (placement.rollout_in_actor)."""
     sample_seconds: float = 0.0
