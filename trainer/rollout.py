@@ -151,14 +151,3 @@ class HFEngine:
 
     def wake_kv_cache(self) -> None:
         pass
-
-
-def make_engine(cfg, model_path: str, device: str = "cpu") -> RolloutEngine:
-    """Build the engine `rollout.engine` names."""
-    if cfg.rollout.engine == "hf":
-        return HFEngine.load(model_path, cfg.model.dtype, device, cfg.model.trust_remote_code)
-    if cfg.rollout.engine == "vllm":
-        from .vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, cfg)
-    raise ValueError(f"unknown rollout.engine {cfg.rollout.engine!r}")

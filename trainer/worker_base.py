@@ -63,6 +63,8 @@ def forward_values(model, batch: Batch) -> torch.Tensor:
 class WorkerBase:
     """What every role's worker has: its config, rank, device and process-group plumbing."""
 
+    sharded = False  # TrainableWorker decides per role
+
     def __init__(self, cfg_dict: dict, rank: int = 0, world_size: int = 1):
         from .models import quiet_transformers
 
@@ -83,7 +85,7 @@ class WorkerBase:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = [g for g in visible.split(",") if g] if visible is not None else [str(g) for g in ray.get_gpu_ids()]
         return {"rank": self.rank, "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid(), "gpus": gpus, "device": str(self.device), "sharded": getattr(self, "sharded", False)}
+                "pid": os.getpid(), "gpus": gpus, "device": str(self.device), "sharded": self.sharded}
 
     def master_address(self) -> tuple[str, int]:
         import ray

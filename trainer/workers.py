@@ -270,9 +270,15 @@ class RewardWorker(WorkerBase):
 class RolloutWorker(WorkerBase):
     def __init__(self, cfg_dict: dict, model_path: str, rank: int = 0, world_size: int = 1):
         super().__init__(cfg_dict, rank, world_size)
-        from .rollout import make_engine
+        cfg = self.cfg
+        if cfg.rollout.engine == "vllm":  # vLLM is imported only where an engine is built
+            from .vllm_engine import VLLMEngine
 
-        self.engine = make_engine(self.cfg, model_path, str(self.device))
+            self.engine = VLLMEngine(model_path, cfg)
+        else:
+            from .rollout import HFEngine
+
+            self.engine = HFEngine.load(model_path, cfg.model.dtype, str(self.device), cfg.model.trust_remote_code)
 
     def generate(self, prompts: list[list[int]], settings) -> list:
         from .rollout import Completions
