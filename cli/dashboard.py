@@ -23,7 +23,7 @@ from typing import Callable
 
 from .errors import CloudrlError
 from .local_cluster import port_free
-from .ray_api import Address, Dashboard
+from .ray_api import Address, Dashboard, check_port
 
 DASHBOARD_PORT = 8265
 TASK_FILE = Path("tasks") / "ray-cluster.dstack.yml"
@@ -237,6 +237,8 @@ def _wait_for_interrupt(forward: Forward) -> None:
 
 def run_dashboard(run_name: str | None, ssh_host: str | None, port: int | None, remote_port: int,
                   ssh_options: list[str], echo: Echo) -> None:
+    check_port("--port", port, zero_means_any=True)
+    check_port("--remote-port", remote_port)
     if ssh_host:
         if run_name:
             raise CloudrlError("pass either a dstack RUN or --ssh HOST, not both")

@@ -17,6 +17,8 @@ from .errors import CloudrlError
 from .ray_api import Dashboard
 
 STEP_RE = re.compile(r"^step \d+/\d+\b[^|]*\|")
+# The last line of a Python traceback: `cloudrl.trainer.errors.RewardError: ...`, `KeyError: 'x'`.
+EXCEPTION_RE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit)(?:\([\w.]*\))?: \S")
 STATUS_POLL_S = 3.0
 # After Ray reports the job ended, give the log stream this long to deliver its last lines.
 END_GRACE_S = 10.0
@@ -74,8 +76,11 @@ def latest_metrics(logs: str) -> tuple[str | None, list[str]]:
 
 
 def last_error_line(logs: str) -> str | None:
-    """The trainer's one-line failure (`error: ...`), if it printed one."""
-    return next((ln.strip() for ln in reversed(logs.splitlines()) if ln.strip().startswith("error:")), None)
+    """Why the job failed, in one line: the trainer's own `error: ...` line, else the exception line
+    that ends a traceback (`ValueError: ...`), else None."""
+    lines = [ln.strip() for ln in logs.splitlines() if ln.strip()]
+    own = next((ln for ln in reversed(lines) if ln.startswith("error:")), None)
+    return own or next((ln for ln in reversed(lines) if EXCEPTION_RE.match(ln)), None)
 
 
 def _fmt_time(ms: int | None) -> str:
@@ -116,13 +121,16 @@ def status_text(dash: Dashboard, job_id: str | None) -> str:
         f"dashboard: {dash.address.job_url(name)}",
     ]
     try:
-        step, summary = latest_metrics(job_logs(dash, name))
+        logs = job_logs(dash, name)
     except CloudrlError:  # drivers started without `submit` have no job logs
-        step, summary = "no logs for this job", []
+        logs = None
+    step, summary = latest_metrics(logs) if logs is not None else ("no logs for this job", [])
     lines.append(f"latest:    {step}" if step else "latest:    no step finished yet")
     lines += summary
     if not info.status.is_terminal():
         lines.append(f"follow:    cloudrl logs {name} --follow{dash.address.flag}")
+    elif info.status == "FAILED":  # last, the job's own one-line reason
+        lines.append(f"error:     {failure_reason(info, logs or '').removeprefix('error: ')}")
     return "\n".join(lines)
 
 
@@ -173,11 +181,14 @@ def follow(dash: Dashboard, job_id: str, out: Callable[[str], Any] | None = None
     if not info.status.is_terminal():
         raise CloudrlError(f"the log stream of {job_id} ended while the job is {info.status}: "
                            f"follow it again with `cloudrl logs {job_id} --follow{dash.address.flag}`")
-    reason = last_error_line(job_logs(dash, job_id))
-    if not reason:
-        message = (info.message or "").strip()
-        reason = message.splitlines()[0] if message else "no message"
+    reason = failure_reason(info, job_logs(dash, job_id))
     raise CloudrlError(f"job {job_id} {info.status}: {reason} (full logs: cloudrl logs {job_id}{dash.address.flag})")
+
+
+def failure_reason(info: Any, logs: str) -> str:
+    """The job's own one-line error from its logs, else the first line of Ray's message."""
+    message = (info.message or "").strip()
+    return last_error_line(logs) or (message.splitlines()[0] if message else "no message")
 
 
 def _write_stdout(chunk: str) -> None:

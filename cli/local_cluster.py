@@ -22,23 +22,31 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
+import threading
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .errors import CloudrlError
+from .node_processes import alive, spawn, stop_node
 
 STATE_NAME = "local-cluster.json"
 DEFAULT_DASHBOARD_PORT = 8265
 NODE_PORTS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
               "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
 HEAD_PORTS = ("port", "ray-client-server-port")
+NODES_PER_CORE = 4
+"""Ray nodes per CPU core `up` allows: each node starts several Python processes (seconds of CPU each)
+and, idle, still polls and reports; beyond this they miss the join timeout instead of failing at once."""
+NODE_MB = 600
+"""Memory of one node's own processes (`ray start`, raylet, agents, log monitor; ~500 MB measured),
+besides its object store."""
+HEAD_MB = 1200
+"""What the head node adds: GCS, dashboard and its modules (~1.1 GB measured)."""
 
 Echo = Callable[[str], None]
-_STARTED: list[subprocess.Popen] = []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -75,7 +83,7 @@ def _save_state(state: dict[str, Any]) -> None:
 def running_dashboard_url() -> str | None:
     """The dashboard URL of the local cluster if its head process is still alive."""
     state = load_state()
-    if state and state.get("nodes") and _alive(state["nodes"][0]) and state.get("dashboard_url"):
+    if state and state.get("nodes") and alive(state["nodes"][0]) and state.get("dashboard_url"):
         return state["dashboard_url"]
     return None
 
@@ -111,17 +119,66 @@ def default_dashboard_port() -> int:
         raise CloudrlError(f"CLOUDRL_LOCAL_DASHBOARD_PORT={value!r} is not a port number") from None
 
 
+def check_capacity(nodes: int, object_store_mb: int) -> None:
+    """Refuse, before starting anything, more nodes than this machine's cores and free memory hold."""
+    import psutil
+
+    cores = os.cpu_count() or 1
+    free_mb = psutil.virtual_memory().available // 2**20
+    per_node = NODE_MB + object_store_mb
+    by_cores, by_memory = cores * NODES_PER_CORE, max(0, (free_mb - HEAD_MB) // per_node)
+    limit = min(by_cores, by_memory)
+    if nodes <= limit:
+        return
+    memory = f"{free_mb / 1024:.1f} GB of free memory at ~{per_node / 1024:.1f} GB per node (--object-store-mb " \
+             f"{object_store_mb} + {NODE_MB} MB of Ray processes)"
+    if limit < 1:
+        raise CloudrlError(f"this machine cannot run a Ray node: {memory}, plus {HEAD_MB} MB for the head: "
+                           f"free memory or lower --object-store-mb")
+    raise CloudrlError(f"--nodes {nodes} is more than this machine can run: at most {limit} ({cores} CPU cores x "
+                       f"{NODES_PER_CORE} allow {by_cores}; {memory} allows {by_memory}): use --nodes {limit} or fewer")
+
+
 def up(nodes: int = 1, cpus_per_node: int | None = None, gpus_per_node: int | None = None,
        object_store_mb: int = 512, dashboard_port: int | None = None, timeout_s: float = 120.0,
        echo: Echo = print) -> dict[str, Any]:
-    """Start the cluster and wait until all its nodes are alive; tear everything down on failure."""
-    if dashboard_port is None:
-        dashboard_port = default_dashboard_port()
+    """Start the cluster and wait until all its nodes are alive; tear everything down on failure.
+    Ctrl+C at any point stops exactly what this call started, then exits 130 with one line."""
     if nodes < 1:
         raise CloudrlError(f"--nodes {nodes}: a cluster needs at least 1 node")
+    check_capacity(nodes, object_store_mb)
+    try:
+        return _start(nodes, cpus_per_node, gpus_per_node, object_store_mb, dashboard_port, timeout_s, echo)
+    except KeyboardInterrupt:
+        print("interrupted: stopped every Ray node `cloudrl local up` had started; nothing is left running",
+              file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Ctrl+C takes effect when the block ends: a node is never started without being recorded in
+    the state file, nor left half stopped. (The handler is reset in started processes.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
+
+
+def _start(nodes: int, cpus_per_node: int | None, gpus_per_node: int | None, object_store_mb: int,
+           dashboard_port: int | None, timeout_s: float, echo: Echo) -> dict[str, Any]:
+    if dashboard_port is None:
+        dashboard_port = default_dashboard_port()
     existing = load_state()
     if existing:
-        if existing.get("nodes") and _alive(existing["nodes"][0]):
+        if existing.get("nodes") and alive(existing["nodes"][0]):
             raise CloudrlError(f"a local cluster is already running ({existing.get('dashboard_url')}): "
                                f"use it with --local, or stop it with `cloudrl local down`")
         echo("cleaning up a local cluster that is no longer running")
@@ -130,11 +187,13 @@ def up(nodes: int = 1, cpus_per_node: int | None = None, gpus_per_node: int | No
     cpus = cpus_per_node or default_cpus_per_node(nodes)
     if gpus_per_node is None and nodes > 1:
         gpus_per_node = 0  # Ray would give every node all of the machine's GPUs
-    root = tempfile.mkdtemp(prefix="cloudrl-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
-    state: dict[str, Any] = {"root": root, "nodes": [], "dashboard_url": None, "cpus_per_node": cpus,
+    state: dict[str, Any] = {"root": None, "nodes": [], "dashboard_url": None, "cpus_per_node": cpus,
                              "num_nodes": nodes}
-    _save_state(state)
     try:
+        with _sigint_deferred():
+            root = tempfile.mkdtemp(prefix="cloudrl-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            state["root"] = root
+            _save_state(state)
         dash = _pick_dashboard_port(dashboard_port, echo)
         ports = _free_ports(len(HEAD_PORTS) + len(NODE_PORTS) * nodes, exclude={dash})
         head_ports = dict(zip(HEAD_PORTS, ports[: len(HEAD_PORTS)]))
@@ -154,17 +213,20 @@ def up(nodes: int = 1, cpus_per_node: int | None = None, gpus_per_node: int | No
             else:
                 args.append(f"--address={gcs}")
             args += [f"--{k}={v}" for k, v in node_ports.items()]
-            state["nodes"].append(_spawn(args, Path(root) / f"n{i}.log"))
-            _save_state(state)
+            with _sigint_deferred():
+                state["nodes"].append(spawn(args, Path(root) / f"n{i}.log", _node_env()))
+                _save_state(state)
             if i == 0:  # workers join a head whose GCS answers; the dashboard comes up right after it
                 _wait_for(lambda: _dashboard_answers(url), state, timeout_s, "the head's dashboard to answer")
         _wait_for(lambda: _alive_nodes(url) >= nodes, state, timeout_s, f"{nodes} nodes to join")
     except CloudrlError as exc:
-        kept = _keep_logs(state)
-        _teardown(state)
+        with _sigint_deferred():
+            kept = _keep_logs(state)
+            _teardown(state)
         raise CloudrlError(f"{exc} (node logs: {kept})") from None
-    except BaseException:
-        _teardown(state)
+    except BaseException:  # Ctrl+C included
+        with _sigint_deferred():
+            _teardown(state)
         raise
     return state
 
@@ -198,21 +260,10 @@ def _node_env() -> dict[str, str]:
     env["RAY_AUTH_MODE"] = "disabled"
     # Job entrypoints run `python3` through the node's PATH: make it this environment's Python.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # A job's relative trainer.run_dir lands in the directory the cluster was started from, also when
+    # `submit` ships files and the job's working directory is Ray's temporary copy of them.
+    env.setdefault("CLOUDRL_RUNS_DIR", os.getcwd())
     return env
-
-
-def _spawn(args: list[str], log: Path) -> dict[str, Any]:
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=_node_env(), start_new_session=True)
-    import psutil
-
-    try:
-        created = psutil.Process(proc.pid).create_time()
-    except psutil.NoSuchProcess:
-        created = 0.0
-    _STARTED.append(proc)  # the node outlives this call on purpose; keep Popen from warning about it
-    return {"pid": proc.pid, "create_time": created, "log": str(log)}
 
 
 def _pick_dashboard_port(wanted: int, echo: Echo) -> int:
@@ -274,7 +325,7 @@ def _wait_for(ready: Callable[[], bool], state: dict[str, Any], timeout_s: float
     deadline = time.monotonic() + timeout_s
     while not ready():
         for i, node in enumerate(state["nodes"]):
-            if not _alive(node):
+            if not alive(node):
                 raise CloudrlError(f"Ray node {i} exited while waiting for {what}: {_log_tail(node['log'])}")
         if time.monotonic() > deadline:
             raise CloudrlError(f"timed out after {timeout_s:g} s waiting for {what}: the machine may be "
@@ -311,87 +362,10 @@ def down(echo: Echo = print) -> int:
 def _teardown(state: dict[str, Any]) -> int:
     stopped = 0
     for node in reversed(state.get("nodes", [])):  # workers first, the head last
-        stopped += _stop_node(node)
+        stopped += stop_node(node)
     if state.get("root"):
         shutil.rmtree(state["root"], ignore_errors=True)
     state_path().unlink(missing_ok=True)
     return stopped
 
 
-def _own_process(node: dict[str, Any]) -> Any:
-    """The node's `ray start` process, only if the PID still belongs to it (PIDs get reused)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(node["pid"])
-        if abs(proc.create_time() - node["create_time"]) > 0.5 or proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc
-    except psutil.Error:
-        return None
-
-
-def _alive(node: dict[str, Any]) -> bool:
-    return _own_process(node) is not None
-
-
-def _stop_node(node: dict[str, Any], grace_s: float = 5.0) -> int:
-    import psutil
-
-    procs = []
-    leader = _own_process(node)
-    if leader is not None:
-        try:
-            procs = [leader] + leader.children(recursive=True)
-        except psutil.Error:
-            procs = [leader]
-    # Processes of this node that lost their parent are still in its process group (the leader's
-    # session); only those started after the leader can be ours.
-    known = {p.pid for p in procs}
-    for p in psutil.process_iter(["pid", "create_time"]):
-        try:
-            if (p.pid not in known and p.info["create_time"] >= node["create_time"] - 0.5
-                    and os.getpgid(p.pid) == node["pid"]):
-                procs.append(p)
-        except (psutil.Error, OSError):
-            continue
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    alive = _wait_gone(procs, grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    _wait_gone(alive, 5.0)
-    return len(procs)
-
-
-def _wait_gone(procs: list[Any], timeout_s: float) -> list[Any]:
-    import psutil
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = []
-        for p in procs:
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-                else:
-                    _reap(p.pid)
-            except psutil.Error:
-                pass
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
-
-
-def _reap(pid: int) -> None:
-    """Collect the exit status of our own children (when `up` ran in this process)."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass

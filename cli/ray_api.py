@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
@@ -65,15 +66,40 @@ def resolve_address(address: str | None, local: bool = False) -> Address:
         address, source = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
     else:
         address, source = DEFAULT_ADDRESS, "default"
-    if "://" not in address:
-        address = f"http://{address}"
-    scheme = address.split("://", 1)[0]
-    if scheme not in ("http", "https"):
-        raise CloudrlError(
-            f"{source}={address} is not a dashboard URL: cloudrl talks to the Ray dashboard, "
-            f"e.g. --address {DEFAULT_ADDRESS}"
-        )
-    return Address(address.rstrip("/"), source)
+    return Address(dashboard_url(address, source), source)
+
+
+def dashboard_url(address: str, source: str) -> str:
+    """`address` as a dashboard base URL (http:// added when it has no scheme), or a CloudrlError that
+    says what is wrong with it: requests would fail later with a traceback on a bad host or port."""
+    url = address.strip() if "://" in address else f"http://{address.strip()}"
+
+    def bad(reason: str) -> CloudrlError:
+        return CloudrlError(f"{source}={address} is not a dashboard URL ({reason}): cloudrl talks to the Ray "
+                            f"dashboard, e.g. --address {DEFAULT_ADDRESS}")
+
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # parsed on access: a port out of range or not a number raises here
+    except ValueError as exc:
+        raise bad(str(exc).lower()) from None
+    if parts.scheme not in ("http", "https"):
+        raise bad(f"{parts.scheme}:// is not http:// or https://")
+    if not parts.hostname:
+        raise bad("no host")
+    if any(c.isspace() for c in url):
+        raise bad("it contains a space")
+    if port == 0:
+        raise bad("port 0")
+    return url.rstrip("/")
+
+
+def check_port(flag: str, port: int | None, zero_means_any: bool = False) -> None:
+    """A TCP port given on the command line: 1..65535, or 0 where it means "any free port"."""
+    low = 0 if zero_means_any else 1
+    if port is not None and not low <= port <= 65535:
+        raise CloudrlError(f"{flag} {port} is not a TCP port: use {low}..65535"
+                           + (" (0 = any free port)" if zero_means_any else ""))
 
 
 def _where(address: Address) -> str:

@@ -35,12 +35,21 @@ def ray_local(private_cache):
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Without a mode, Ray turns token auth on when ~/.ray/auth_token exists and writes RAY_AUTH_MODE=token
+    # into this process's environment, which every later subprocess (trainer drivers joining the
+    # token-less `cloudrl local` clusters) would inherit. Off, explicitly, as the local clusters are.
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     ctx = ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
                    configure_logging=True)
     try:
         yield ctx.address_info["gcs_address"]
     finally:
         ray.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from cloudrl.trainer import config as config_module
 from cloudrl.trainer.config import (ALGORITHMS, GROUP_ALGORITHMS, PRESET_DIR, Config, ConfigError, config_from_dict,
                                     describe_keys, load_config)
 from cloudrl.trainer.config_checks import coerce, validate
+from cloudrl.trainer.presets import all_keys
 
 TRAINER_DIR = Path(config_module.__file__).parent
 
@@ -96,7 +97,7 @@ def test_help_config_lists_the_choices_and_not_the_removed_key() -> None:
         assert f"One of: {', '.join(values)}." in lines[key], lines[key]
     assert "One of" not in lines["actor.lr"]
     assert "placement.strategy" not in lines
-    assert set(lines) == set(config_module._all_keys(Config()))
+    assert set(lines) == set(all_keys(Config()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,14 +112,15 @@ POSITIVE_KEYS = ["data.train_batch_size", "rollout.n", "rollout.max_new_tokens",
 @pytest.mark.parametrize("value", [0, -1])
 @pytest.mark.parametrize("key", POSITIVE_KEYS)
 def test_positive_keys(key: str, value: int) -> None:
-    assert error_of([f"{key}={value}"]) == f"{key} must be > 0; got {value}"
+    assert error_of([f"{key}={value}"]) == f"{key} must be >= 1; got {value}"
 
 
-@pytest.mark.parametrize("value", ["0", "-5", ".nan"])
+@pytest.mark.parametrize("value, message", [("0", "> 0; got 0.0"), ("-5", "> 0; got -5.0"),
+                                            (".nan", "a finite number > 0; got nan")])
 @pytest.mark.parametrize("key", ["trainer.worker_timeout_s", "placement.timeout_s"])
-def test_timeouts_are_positive(key: str, value: str) -> None:
+def test_timeouts_are_positive(key: str, value: str, message: str) -> None:
     """A negative wait would reach Ray as an exception deep in the run; NaN would never time out."""
-    assert error_of([f"{key}={value}"]).startswith(f"{key} must be > 0; got ")
+    assert error_of([f"{key}={value}"]) == f"{key} must be {message}"
 
 
 @pytest.mark.parametrize("algorithm", GROUP_ALGORITHMS)
@@ -140,6 +142,8 @@ RULES = [
     (["rollout.gpu_memory_utilization=1.5"], ["rollout.gpu_memory_utilization", "must be in (0, 1]", "got 1.5"]),
     (["algorithm.kl_coef=-0.1"], ["algorithm.kl_coef", "must be >= 0"]),
     (["algorithm.kl_target=-1"], ["algorithm.kl_target", "must be >= 0"]),
+    (["algorithm.kl_coef=0", "algorithm.kl_target=0.1"],
+     ["algorithm.kl_target=0.1", "algorithm.kl_coef, which is 0", "set algorithm.kl_coef > 0"]),
     (["actor.dual_clip=0.5"], ["actor.dual_clip", "must be > 1 (or 0 to turn it off)", "got 0.5"]),
     (["actor.dual_clip=1"], ["actor.dual_clip", "must be > 1 (or 0 to turn it off)", "got 1.0"]),
     (["rollout.tensor_parallel_size=2"], ["rollout.tensor_parallel_size > 1", "needs rollout.engine=vllm"]),
@@ -155,7 +159,7 @@ def test_rules(overrides: list[str], parts: list[str]) -> None:
 
 @pytest.mark.parametrize("overrides", [
     ["rollout.gpu_memory_utilization=1"], ["actor.dual_clip=3"], ["actor.dual_clip=0"],
-    ["algorithm.kl_coef=0", "algorithm.kl_target=0.1"], ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"],
+    ["algorithm.kl_coef=0.01", "algorithm.kl_target=0.1"], ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"],
     ["reward.in_driver=true"], ["reward.model_path=/rm"],
 ])
 def test_the_edges_of_those_rules_load(overrides: list[str]) -> None:
@@ -194,10 +198,11 @@ def test_the_critic_batches_are_not_checked_without_a_critic() -> None:
 
 
 @pytest.mark.parametrize("role", ["actor", "critic", "reference", "reward"])
-@pytest.mark.parametrize("setting", ["nodes=0", "workers_per_node=0", "gpus_per_node=-1", "cpus_per_worker=-1"])
-def test_role_counts(role: str, setting: str) -> None:
-    assert error_of([f"{role}.{setting}"]) == (f"{role}.nodes and {role}.workers_per_node must be >= 1, "
-                                               f"{role}.gpus_per_node and {role}.cpus_per_worker >= 0")
+@pytest.mark.parametrize("setting, message", [("nodes=0", ">= 1; got 0"), ("workers_per_node=0", ">= 1; got 0"),
+                                              ("gpus_per_node=-1", ">= 0; got -1"),
+                                              ("cpus_per_worker=-1", ">= 0; got -1.0")])
+def test_role_counts(role: str, setting: str, message: str) -> None:
+    assert error_of([f"{role}.{setting}"]) == f"{role}.{setting.split('=')[0]} must be {message}"
 
 
 IN_ACTOR = [
@@ -321,7 +326,7 @@ def _flat_keys(data: dict, prefix: str = "") -> list[str]:
 def test_presets_load_and_use_only_known_keys(preset: str) -> None:
     cfg = load_config(preset)
     validate(cfg)
-    known = set(config_module._all_keys(cfg))
+    known = set(all_keys(cfg))
     used = _flat_keys(yaml.safe_load((PRESET_DIR / f"{preset}.yaml").read_text()))
     assert used and not set(used) - known
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cloudrl.trainer.data import PromptRecord
-from cloudrl.trainer.errors import DataError
+from cloudrl.trainer.errors import DataError, RewardError
 from cloudrl.trainer.rewards import arithmetic, auto, exact_match, gsm8k, resolve_reward_fn, score
 
 USER_MODULE = '''
@@ -198,13 +198,13 @@ def bad_string(completions, **kw):
     (bad_dict, "reward function test_rewards:bad_dict returned {'a': 1.0} (dict): "
                "it must return a list of 2 numbers, one per completion"),
     (bad_length, "reward function test_rewards:bad_length returned 1 values for 2 completions: it must return"),
-    (bad_item, "reward function test_rewards:bad_item returned None at index 1: it must return a list of 2 numbers, "
-               "one per completion, each finite"),
+    (bad_item, "reward function test_rewards:bad_item returned None at index 1 (completion 'b', ground truth '2'): "
+               "it must return a list of 2 numbers, one per completion, each finite"),
     (bad_nan, "returned nan at index 0"),
     (bad_string, "returned '1' at index 1"),
 ])
 def test_score_rejects_bad_results(fn, message):
-    with pytest.raises(DataError) as err:
+    with pytest.raises(RewardError) as err:
         score(fn, ["a", "b"], records(["1", "2"]))
     assert message in str(err.value)
 

@@ -139,8 +139,8 @@ def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", real_save)
     assert checkpoint.latest(run_dir) == first
     assert [p.name for p in checkpoint.checkpoint_root(run_dir).iterdir()] == ["step_000001"]
-    parts, state = checkpoint.load(first, ["actor"])
-    assert state["step"] == 1 and torch.equal(parts["actor"]["w"], torch.ones(2))
+    loaded = checkpoint.load(first, ["actor"])
+    assert loaded.state["step"] == 1 and torch.equal(loaded.parts["actor"]["w"], torch.ones(2))
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):

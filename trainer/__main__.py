@@ -18,8 +18,14 @@ import os
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A usage error is one line naming the fix, like every other expected failure."""
+        self.exit(2, f"error: {message}: see python -m cloudrl.trainer --help\n")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m cloudrl.trainer", description=__doc__,
+    parser = _Parser(prog="python -m cloudrl.trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", "-c", default="local", help="preset name in trainer/presets, or a YAML file")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")

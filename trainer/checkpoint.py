@@ -11,6 +11,11 @@ a checkpoint loads into any number of workers.
       trainer.json     step, data position, KL coefficient, metrics history
       rng.pt           the driver's RNG states
       config.yaml      the resolved config of the run
+      manifest.json    every file's size in bytes, written last
+
+Before a resume starts any actor, the checkpoint is checked: each file's size against the manifest (a
+truncated copy), every file readable (tensors are memory-mapped, not read), the algorithm it was saved by,
+and its parameter names and shapes against the models this run loads.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import json
 import os
 import random
 import shutil
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +33,8 @@ import torch
 from .errors import CheckpointError
 
 PREFIX = "step_"
+MANIFEST = "manifest.json"
+FRESH_START = "pick a new trainer.run_dir"
 
 
 def checkpoint_root(run_dir: str) -> Path:
@@ -73,6 +82,8 @@ def save(run_dir: str, step: int, parts: dict[str, dict], trainer_state: dict, c
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
+        sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps({"files": sizes}, indent=1))
         _fsync_dir(tmp)
         if final.exists():  # a re-run of the same step replaces it
             shutil.rmtree(final)
@@ -86,16 +97,114 @@ def save(run_dir: str, step: int, parts: dict[str, dict], trainer_state: dict, c
     return final
 
 
-def load(path: Path, names: list[str]) -> tuple[dict[str, dict], dict]:
+@dataclass
+class Checkpoint:
+    path: Path
+    parts: dict[str, dict]
+    """Per trained role ("actor", "critic"): {"model", "optimizer", "scheduler"} state, memory-mapped."""
+    state: dict
+    """trainer.json: step, data position, KL coefficient, history."""
+    rng: dict
+    """The driver's RNG states."""
+    saved_config: dict
+    """The config.yaml it was saved with ({} when absent)."""
+
+
+def load(path: Path, names: list[str]) -> Checkpoint:
+    """Read a checkpoint after checking its files against the manifest; CheckpointError names the file."""
+    import yaml
+
+    _check_sizes(path)
+    parts = {name: _read(path / f"{name}.pt") for name in names if (path / f"{name}.pt").exists()}
+    state = _read(path / "trainer.json", json.loads)
+    saved = _read(path / "config.yaml", yaml.safe_load) if (path / "config.yaml").exists() else {}
+    return Checkpoint(path, parts, state, _read(path / "rng.pt"), saved or {})
+
+
+def _check_sizes(path: Path) -> None:
+    if not (path / MANIFEST).exists():  # saved before manifests existed: the reads below still check
+        return
+    sizes = _read(path / MANIFEST, json.loads).get("files", {})
+    for name, size in sizes.items():
+        actual = (path / name).stat().st_size if (path / name).exists() else None
+        if actual != size:
+            found = "is missing" if actual is None else f"has {actual} bytes"
+            raise CheckpointError(f"checkpoint file {path / name} {found} but was saved with {size} (a truncated or "
+                                  f"incomplete copy): {_other_checkpoint(path)}")
+
+
+def _read(file: Path, parse=None):
+    """A checkpoint file: tensors memory-mapped (the driver reads them only when sending them), text parsed."""
     try:
-        trainer_state = json.loads((path / "trainer.json").read_text())
-        parts = {name: torch.load(path / f"{name}.pt", map_location="cpu", weights_only=False)
-                 for name in names if (path / f"{name}.pt").exists()}
-        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot read checkpoint {path} ({exc}): pass trainer.resume=never or another "
-                              f"checkpoint directory") from None
-    return parts, trainer_state
+        if parse is None:
+            if not zipfile.is_zipfile(file):  # else torch blames the mmap option
+                raise ValueError("not a torch.save archive")
+            return torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+        return parse(file.read_text())
+    except Exception as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"cannot read checkpoint file {file} ({type(exc).__name__}: {reason}), it is "
+                              f"corrupted: {_other_checkpoint(file.parent)}") from None
+
+
+def _other_checkpoint(path: Path) -> str:
+    return (f"resume from an earlier checkpoint (trainer.resume=<another {PREFIX}NNNNNN directory beside "
+            f"{path.name}>), or start over with trainer.resume=never in a new trainer.run_dir")
+
+
+def check_matches(ckpt: Checkpoint, cfg, shapes: dict[str, dict[str, tuple]]) -> None:
+    """Refuse a checkpoint of another algorithm or other models. `shapes[role]` is the parameter shapes
+    of the model this run loads for that role (`expected_shapes`)."""
+    saved_alg = ckpt.saved_config.get("algorithm", {}).get("name")
+    alg = cfg.algorithm.name
+    if saved_alg and saved_alg != alg:
+        raise CheckpointError(f"checkpoint {ckpt.path} was saved by an algorithm.name={saved_alg} run and this "
+                              f"run sets algorithm.name={alg}: resume it with algorithm.name={saved_alg}, or "
+                              f"{FRESH_START} (trainer.resume=never)")
+    if cfg.uses_critic and "critic" not in ckpt.parts:
+        raise CheckpointError(f"checkpoint {ckpt.path} has no critic.pt (it was saved without a critic) but "
+                              f"algorithm.name={alg} trains one: resume it with a critic-less algorithm, or "
+                              f"{FRESH_START} (trainer.resume=never)")
+    for role, expected in shapes.items():
+        if role in ckpt.parts:
+            diff = shape_difference({k: tuple(v.shape) for k, v in ckpt.parts[role]["model"].items()}, expected)
+            if diff:
+                source = (f"critic.model_path={cfg.critic.model_path}" if role == "critic" and cfg.critic.model_path
+                          else f"model.path={cfg.model.path}")
+                raise CheckpointError(f"checkpoint {ckpt.path / (role + '.pt')} does not fit the {role} model of "
+                                      f"{source}: {diff} (another model size?): resume with the model it was "
+                                      f"trained from, or {FRESH_START} (trainer.resume=never)")
+
+
+def shape_difference(saved: dict[str, tuple], expected: dict[str, tuple]) -> str | None:
+    """The first difference between two {parameter name: shape} maps, in words; None when they agree."""
+    missing = [k for k in expected if k not in saved]
+    extra = [k for k in saved if k not in expected]
+    differ = [k for k in expected if k in saved and tuple(saved[k]) != tuple(expected[k])]
+    if differ:
+        k = differ[0]
+        more = f" ({len(differ) - 1} more tensors differ)" if len(differ) > 1 else ""
+        return f"{k} is {list(saved[k])} in the checkpoint and {list(expected[k])} in the model{more}"
+    if missing or extra:
+        first = (f"the checkpoint lacks {missing[0]}" if missing else f"the model has no {extra[0]}")
+        return f"{first} ({len(missing)} missing, {len(extra)} unexpected tensors)"
+    return None
+
+
+def expected_shapes(model_path: str, role: str, trust_remote_code: bool = False) -> dict[str, tuple] | None:
+    """Parameter shapes of the model a role loads, built on the meta device (no weights read); None
+    when its config cannot be read: the role's workers then report that, naming their node."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    cls = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
+    extra = {"num_labels": 1} if role == "critic" else {}
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code, **extra)
+        with torch.device("meta"):
+            model = cls.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:
+        return None
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def resolve_resume(run_dir: str, resume: str) -> Path | None:

@@ -12,15 +12,15 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from .config_checks import choices, coerce, unknown_key_error, validate
-from .errors import ConfigError
-
-PRESET_DIR = Path(__file__).parent / "presets"
+from .config_checks import choices, validate
+from .errors import ConfigError  # noqa: F401  (raised by the loading below; imported from here by callers)
+# PRESET_DIR, available_presets and preset_path are imported from here by the CLI and the tests, too.
+from .presets import (PRESET_DIR, apply_mapping, available_presets, parse_override, preset_path,  # noqa: F401
+                      read_preset, set_key)
 
 # Keys with a fixed set of values: `coerce` rejects anything else, `--help-config` lists them.
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -58,11 +58,15 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_files: str = "builtin:arithmetic"
-    """Prompt file(s), comma separated: .jsonl or .parquet with a `prompt` column; or builtin:arithmetic."""
+    """Prompts, comma separated: .jsonl/.parquet files, hf:DATASET[:CONFIG][@SPLIT] (docs/data.md), builtin:arithmetic."""
     val_files: str = ""
-    """Held-out prompts for validation; empty = a held-out split of the built-in task, else none."""
+    """Held-out prompts for validation (an hf: entry's split defaults to test); empty = the built-in task's, else none."""
     prompt_key: str = "prompt"
     """Column holding the prompt: a string, or a list of chat messages."""
+    answer_key: str = ""
+    """Column holding the reward's ground truth; empty = reward_model.ground_truth, else ground_truth, else answer."""
+    prompt_template: str = ""
+    """Wraps each prompt (a chat prompt's last user message), {prompt} marking where it goes; empty = as is."""
     max_prompt_length: int = 64
     """Prompts longer than this (in tokens) are left-truncated."""
     train_batch_size: int = 16
@@ -313,38 +317,14 @@ class Config:
 # ----------------------------------------------------------------------------------------------
 
 
-def available_presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-
-
-def preset_path(preset: str) -> Path:
-    path = Path(preset)
-    if path.suffix in (".yaml", ".yml") and path.exists():
-        return path
-    candidate = PRESET_DIR / f"{preset}.yaml"
-    if candidate.exists():
-        return candidate
-    raise ConfigError(
-        f"unknown preset {preset!r}: use one of {', '.join(available_presets())} or a path to a YAML file"
-    )
-
-
 def load_config(preset: str = "local", overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a checked Config from a preset and `section.key=value` overrides."""
     path = preset_path(preset)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__}): fix the file") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: a preset must be a mapping of sections like `actor:`")
     cfg = Config()
-    _apply_mapping(cfg, raw, prefix="", source=str(path))
+    apply_mapping(cfg, read_preset(path), source=str(path))
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not KEY=VALUE: write it like actor.lr=1e-6")
-        _set_key(cfg, key.strip(), yaml.safe_load(value) if value.strip() else "", source="command line")
+        key, value = parse_override(item)
+        set_key(cfg, key, value, source="command line")
     validate(cfg)
     return cfg
 
@@ -352,66 +332,9 @@ def load_config(preset: str = "local", overrides: list[str] | tuple[str, ...] = 
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Rebuild a Config saved with `to_dict` (e.g. from a checkpoint)."""
     cfg = Config()
-    _apply_mapping(cfg, data, prefix="", source="saved config")
+    apply_mapping(cfg, data, source="saved config")
     validate(cfg)
     return cfg
-
-
-def _all_keys(obj: Any, prefix: str = "") -> list[str]:
-    keys = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            keys += _all_keys(value, f"{prefix}{f.name}.")
-        else:
-            keys.append(f"{prefix}{f.name}")
-    return keys
-
-
-def _apply_mapping(cfg: Config, data: dict, prefix: str, source: str) -> None:
-    for name, value in data.items():
-        key = f"{prefix}{name}"
-        if isinstance(value, dict) and not _is_dict_field(cfg, key):
-            _apply_mapping(cfg, value, f"{key}.", source)
-        else:
-            _set_key(cfg, key, value, source)
-
-
-def _is_dict_field(cfg: Config, key: str) -> bool:
-    try:
-        owner, f = _resolve(cfg, key)
-    except KeyError:
-        return False
-    return typing.get_origin(_field_type(owner, f)) is dict
-
-
-def _resolve(cfg: Config, key: str) -> tuple[Any, dataclasses.Field]:
-    obj: Any = cfg
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        fields = {f.name: f for f in dataclasses.fields(obj)}
-        if part not in fields:
-            raise KeyError(key)
-        if i == len(parts) - 1:
-            if dataclasses.is_dataclass(getattr(obj, part)):
-                raise KeyError(key)
-            return obj, fields[part]
-        obj = getattr(obj, part)
-        if not dataclasses.is_dataclass(obj):
-            raise KeyError(key)
-    raise KeyError(key)
-
-
-def _field_type(owner: Any, f: dataclasses.Field) -> Any:
-    return typing.get_type_hints(type(owner))[f.name]
-
-
-def _set_key(cfg: Config, key: str, value: Any, source: str) -> None:
-    try:
-        owner, f = _resolve(cfg, key)
-    except KeyError:
-        raise unknown_key_error(key, _all_keys(cfg), source) from None
-    setattr(owner, f.name, coerce(key, value, _field_type(owner, f)))
 
 
 def describe_keys() -> str:

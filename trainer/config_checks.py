@@ -1,14 +1,17 @@
 """The checks every config passes, in one place; each message names the key and the fix.
 
 `coerce` checks one key as it is set (its type, and for a `Literal` key its allowed values);
-`validate` checks the loaded config as a whole. `config.py` calls both; this module imports nothing
-from it (the config arrives as an argument) and nothing heavy.
+`validate` checks the loaded config as a whole: first every numeric key against its range in `RANGES`
+(one entry per numeric key; a test fails when a key has none), then the rules across keys. `config.py`
+calls both; this module imports nothing from it (the config arrives as an argument) and nothing heavy.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import typing
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import ConfigError
@@ -72,7 +75,10 @@ def coerce(key: str, value: Any, want: Any) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number; got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            raise ConfigError(f"{key} must be a finite number; got an integer too large for a float") from None
     if want is str:
         if value is None:
             return ""
@@ -82,34 +88,142 @@ def coerce(key: str, value: Any, want: Any) -> Any:
     raise TypeError(f"unsupported config type for {key}: {want}")
 
 
-def _positive(key: str, value: float) -> None:
-    if not value > 0:  # NaN too
-        raise ConfigError(f"{key} must be > 0; got {value}")
+# ----------------------------------------------------------------------------------------------
+# Ranges of the numeric keys
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key takes: finite, between `low` and `high` (open or closed ends), or `off`."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    off: float | None = None
+    """A value outside the range that turns the feature off (e.g. top_k=-1)."""
+    hint: str = ""
+    """The fix, where "set it in the range" is not the whole story."""
+
+    def allows(self, value: float) -> bool:
+        if value == self.off:
+            return True
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and above and below
+
+    def describe(self) -> str:
+        """E.g. `> 0`, `in (0, 1]`, `>= 1 (or -1 to turn it off)`; empty for any finite number."""
+        if self.low > -math.inf and self.high < math.inf:
+            text = (f"in {'(' if self.low_open else '['}{_number(self.low)}, "
+                    f"{_number(self.high)}{')' if self.high_open else ']'}")
+        elif self.low > -math.inf:
+            text = f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        elif self.high < math.inf:
+            text = f"{'<' if self.high_open else '<='} {_number(self.high)}"
+        else:
+            text = ""
+        return text + (f" (or {_number(self.off)} to turn it off)" if self.off is not None else "")
+
+    def check(self, key: str, value: float) -> None:
+        if self.allows(value):
+            return
+        want = self.describe() if math.isfinite(value) else f"a finite number {self.describe()}".strip()
+        raise ConfigError(f"{key} must be {want}; got {value}" + (f": {self.hint}" if self.hint else ""))
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+COUNT = Range(1)  # sizes and counts (an integer key)
+NON_NEGATIVE = Range(0)  # 0 = none or off
+POSITIVE = Range(0, low_open=True)
+FRACTION = Range(0, 1, low_open=True)
+UNIT = Range(0, 1)
+
+ROLES = ("actor", "critic", "reference", "reward")
+TRAINED_ROLES = ("actor", "critic")
+_ROLE_RANGES = {"nodes": COUNT, "gpus_per_node": NON_NEGATIVE, "workers_per_node": COUNT,
+                "cpus_per_worker": NON_NEGATIVE, "resources": NON_NEGATIVE}
+_TRAINED_RANGES = {"lr": POSITIVE, "weight_decay": NON_NEGATIVE, "warmup_steps": NON_NEGATIVE,
+                   "grad_clip": NON_NEGATIVE, "ppo_epochs": COUNT, "mini_batch_size": COUNT, "micro_batch_size": COUNT}
+
+# Every numeric key of config.Config (a mapping of numbers, like `resources`, checks each value).
+RANGES: dict[str, Range] = {
+    "model.sft_warmup_steps": NON_NEGATIVE,
+    "model.sft_warmup_lr": POSITIVE,
+    "data.max_prompt_length": COUNT,
+    "data.train_batch_size": COUNT,
+    "data.val_batch_size": COUNT,
+    "data.arithmetic_max_operand": NON_NEGATIVE,
+    "data.arithmetic_size": COUNT,
+    "rollout.n": COUNT,
+    "rollout.max_new_tokens": COUNT,
+    "rollout.temperature": Range(0, low_open=True, hint="for near-greedy sampling use a small value such as "
+                                                          "0.01 (validation already decodes greedily)"),
+    "rollout.top_p": FRACTION,
+    "rollout.top_k": Range(1, off=-1),
+    "rollout.num_engines": COUNT,
+    "rollout.tensor_parallel_size": COUNT,
+    "rollout.gpus_per_engine": NON_NEGATIVE,
+    "rollout.cpus_per_engine": NON_NEGATIVE,
+    "rollout.gpu_memory_utilization": FRACTION,
+    "rollout.logprob_correction_cap": Range(1, hint="it caps importance weights; below 1 it would shrink "
+                                                    "even on-policy tokens"),
+    "rollout.resources": NON_NEGATIVE,
+    "algorithm.gamma": UNIT,
+    "algorithm.lam": UNIT,
+    "algorithm.kl_coef": NON_NEGATIVE,
+    "algorithm.kl_target": NON_NEGATIVE,
+    "algorithm.kl_horizon": COUNT,
+    **{f"{role}.{name}": rule for role in ROLES for name, rule in _ROLE_RANGES.items()},
+    **{f"{role}.{name}": rule for role in TRAINED_ROLES for name, rule in _TRAINED_RANGES.items()},
+    "actor.clip_low": Range(0, 1, low_open=True, high_open=True, hint="the ratio is clipped to "
+                                                                      "[1 - clip_low, 1 + clip_high]"),
+    "actor.clip_high": POSITIVE,
+    "actor.dual_clip": Range(1, low_open=True, off=0),
+    "actor.entropy_coef": NON_NEGATIVE,
+    "critic.clip_value": NON_NEGATIVE,
+    "reference.micro_batch_size": COUNT,
+    "reward.model_weight": Range(),
+    "reward.micro_batch_size": COUNT,
+    "placement.timeout_s": POSITIVE,
+    "trainer.total_steps": COUNT,
+    "trainer.seed": Range(0, 2**32 - 1),  # vLLM seeds numpy with it, which takes 0..2**32-1
+    "trainer.save_every": NON_NEGATIVE,
+    "trainer.keep_last": COUNT,
+    "trainer.val_every": NON_NEGATIVE,
+    "trainer.worker_timeout_s": POSITIVE,
+}
+
+
+def check_ranges(cfg: Any) -> None:
+    for key, rule in RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        for item_key, item in (value.items() if isinstance(value, dict) else [(None, value)]):
+            rule.check(key if item_key is None else f"{key}.{item_key}", item)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rules across keys
+# ----------------------------------------------------------------------------------------------
 
 
 def validate(cfg: Any) -> None:
-    """Rules across keys of a `config.Config` whose keys each passed `coerce`."""
+    """Every numeric key in its range, then the rules across keys of a `config.Config` whose keys each
+    passed `coerce`."""
+    check_ranges(cfg)  # first: the rules below divide by counts and batch sizes
     a, r = cfg.algorithm, cfg.rollout
-    for key in ("data.train_batch_size", "rollout.n", "rollout.max_new_tokens", "rollout.num_engines",
-                "rollout.tensor_parallel_size", "actor.mini_batch_size", "actor.micro_batch_size",
-                "actor.ppo_epochs", "trainer.total_steps", "trainer.keep_last", "data.max_prompt_length",
-                "trainer.worker_timeout_s", "placement.timeout_s"):
-        section, name = key.split(".")
-        _positive(key, getattr(getattr(cfg, section), name))
     if cfg.uses_groups and r.n < 2:
         raise ConfigError(f"algorithm.name={a.name} compares samples of one prompt: set rollout.n>=2 (now {r.n})")
-    if not 0 < r.gpu_memory_utilization <= 1:
-        raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1]; got {r.gpu_memory_utilization}")
-    if a.kl_target < 0 or a.kl_coef < 0:
-        raise ConfigError("algorithm.kl_coef and algorithm.kl_target must be >= 0")
-    if cfg.actor.dual_clip and cfg.actor.dual_clip <= 1:
-        raise ConfigError(f"actor.dual_clip must be > 1 (or 0 to turn it off); got {cfg.actor.dual_clip}")
-    for role in ("actor", "critic", "reference", "reward"):
-        rc = getattr(cfg, role)
-        if rc.nodes < 1 or rc.gpus_per_node < 0 or rc.workers_per_node < 1 or rc.cpus_per_worker < 0:
-            raise ConfigError(f"{role}.nodes and {role}.workers_per_node must be >= 1, "
-                              f"{role}.gpus_per_node and {role}.cpus_per_worker >= 0")
-    _check_batches(cfg)  # after the role counts: it divides by each role's world size
+    if a.kl_target > 0 and a.kl_coef == 0:
+        raise ConfigError(f"algorithm.kl_target={a.kl_target} adapts algorithm.kl_coef, which is 0 (and stays 0: "
+                          f"the controller multiplies it): set algorithm.kl_coef > 0 as its start value, "
+                          f"or algorithm.kl_target=0")
+    _check_batches(cfg)
     if r.engine == "hf" and r.tensor_parallel_size != 1:
         raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
     if cfg.placement.rollout_in_actor:

@@ -30,3 +30,15 @@ class WorkerTimeout(TrainerError, RuntimeError):
 
 class CheckpointError(TrainerError, RuntimeError):
     """A checkpoint directory that cannot be written or read."""
+
+
+class RewardError(DataError):
+    """A reward function that raised or returned what the trainer cannot use, while training."""
+
+
+class RunDirError(TrainerError, ValueError):
+    """A trainer.run_dir that is empty or holds another run's files (never silently rewritten)."""
+
+
+class ClusterUnreachable(TrainerError, ConnectionError):
+    """No Ray cluster answers at the address the trainer was told to join."""

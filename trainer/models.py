@@ -121,13 +121,19 @@ def resolve_path(path: str, cfg=None) -> str:
 
 
 def _load(auto_cls, path: str, what: str, **kwargs):
+    """`from_pretrained`, or ModelLoadError naming the path, the first line of the reason and the fix.
+    Any exception counts: a corrupted weights file raises the safetensors library's own error type."""
     try:
         return auto_cls.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        hint = ("a local directory with config.json, a hub name on a machine that can download, "
-                "or builtin:tiny")
-        raise ModelLoadError(f"cannot load {what} from {path!r} ({first}): use {hint}") from None
+    except Exception as exc:
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+        if Path(path).is_dir():
+            hint = (f"check that {path} holds a complete model (config.json and intact weight files) of an "
+                    f"architecture that has this head; model.trust_remote_code=true for custom code")
+        else:
+            hint = "use a local directory with config.json, a hub name on a machine that can download, or builtin:tiny"
+        raise ModelLoadError(f"cannot load {what} from {path!r} ({reason}): {hint}") from exc
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

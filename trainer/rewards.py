@@ -21,11 +21,12 @@ import math
 import numbers
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Callable
 
 from .data import RESERVED_COLUMNS, PromptRecord, _short
-from .errors import DataError
+from .errors import DataError, RewardError
 
 RewardFn = Callable[..., list[float]]
 
@@ -181,30 +182,58 @@ def reward_columns(records: list[PromptRecord]) -> dict[str, list]:
     return columns
 
 
-def score(fn: RewardFn, completions: list[str], records: list[PromptRecord]) -> list[float]:
+def score(fn: RewardFn, completions: list[str], records: list[PromptRecord], spec: str = "") -> list[float]:
     """Call `fn` on completions aligned with `records` (repeat a prompt's record for each of its
-    samples) and check it returned one finite number per completion."""
+    samples) and check it returned one finite number per completion. `spec` is the
+    `reward.function` value, for messages. Whatever goes wrong is a RewardError of one line."""
     if len(completions) != len(records):
         raise ValueError(f"score: {len(completions)} completions but {len(records)} records; align them")
-    result = fn(list(completions), **reward_columns(records))
-    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    name = f"reward.function={spec}" if spec else \
+        f"reward function {getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    try:
+        result = fn(list(completions), **reward_columns(records))
+    except Exception as exc:
+        raise RewardError(_raised(name, fn, exc, completions, records)) from exc
     want = f"it must return a list of {len(completions)} numbers, one per completion"
     if hasattr(result, "tolist") and not isinstance(result, (list, tuple)):
         result = result.tolist()  # numpy arrays and torch tensors
     if not isinstance(result, (list, tuple)):
-        raise DataError(f"reward function {name} returned {_short(result)} ({type(result).__name__}): {want}")
+        raise RewardError(f"{name} returned {_short(result)} ({type(result).__name__}): {want}")
     if len(result) != len(completions):
-        raise DataError(f"reward function {name} returned {len(result)} values for {len(completions)} "
-                        f"completions: {want}")
+        raise RewardError(f"{name} returned {len(result)} values for {len(completions)} completions: {want}")
     for i, value in enumerate(result):
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise DataError(f"reward function {name} returned {_short(value)} at index {i}: "
-                            f"{want}, each finite")
+            raise RewardError(f"{name} returned {_short(value)} at index {i} ({_sample(completions, records, i)}): "
+                              f"{want}, each finite")
     return [float(v) for v in result]
 
 
-def score_responses(fn: RewardFn, tokenizer, responses: list[list[int]],
-                    records: list[PromptRecord]) -> tuple[list[str], list[float]]:
+def _raised(name: str, fn: RewardFn, exc: Exception, completions: list[str], records: list[PromptRecord]) -> str:
+    """The one line for a reward function that raised: the exception, where, and the first sample
+    that raises on its own (found by calling the function once per sample, only on this error path)."""
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    text = str(exc).strip().splitlines()
+    where = f"{type(exc).__name__}{': ' + text[0][:200] if text else ''} at {Path(frame.filename).name}:{frame.lineno}"
+    first = next((i for i in range(len(completions)) if _fails_alone(fn, completions[i], records[i])), None)
+    sample = (f"first on sample index {first} of {len(completions)} ({_sample(completions, records, first)})"
+              if first is not None else f"on the batch of {len(completions)} (each sample alone passes)")
+    return f"{name} raised {where}, {sample}: fix the function (CLOUDRL_DEBUG=1 shows the traceback)"
+
+
+def _fails_alone(fn: RewardFn, completion: str, record: PromptRecord) -> bool:
+    try:
+        fn([completion], **reward_columns([record]))
+    except Exception:
+        return True
+    return False
+
+
+def _sample(completions: list[str], records: list[PromptRecord], i: int) -> str:
+    return f"completion {_short(completions[i], 40)}, ground truth {_short(records[i].ground_truth, 40)}"
+
+
+def score_responses(fn: RewardFn, tokenizer, responses: list[list[int]], records: list[PromptRecord],
+                    spec: str = "") -> tuple[list[str], list[float]]:
     """Decode generated token ids and score them: what a reward worker and `reward.in_driver` share."""
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    return texts, score(fn, texts, records)
+    return texts, score(fn, texts, records, spec)

@@ -1,26 +1,62 @@
-"""Bounded waits on Ray calls: a worker that never answers ends the run with one line, not a hang.
+"""Bounded waits on Ray calls, and the errors they bring back: a worker that never answers, or
+one that fails in an expected way, ends the run with one line, not a hang or Ray's traceback.
 
     results = get_all(refs, ["actor rank 0 on node 10.0.0.1", ...], timeout_s=600,
                       what="joining the actor's process group", setting="trainer.worker_timeout_s")
+    with worker_errors():   # a TrainerError raised in a worker is raised here as itself
+        ray.get(refs)
 """
 
 from __future__ import annotations
 
-from .errors import WorkerTimeout
+import contextlib
+import time
+from typing import Iterator
+
+from .errors import TrainerError, WorkerTimeout
 
 
 def get_all(refs: list, labels: list[str], timeout_s: float, what: str,
             setting: str = "trainer.worker_timeout_s") -> list:
-    """`ray.get(refs)`, or WorkerTimeout naming every call still running after `timeout_s` seconds."""
+    """`ray.get(refs)`, or WorkerTimeout naming every call still running after `timeout_s` seconds.
+    A call that failed raises as soon as it ends, without waiting for the others (a critic that
+    cannot load does not wait for a large policy to finish loading elsewhere)."""
     import ray
 
-    if not refs:
-        return []
-    _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    pending, results = list(refs), {}
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            break
+        results[done[0]] = ray.get(done[0])  # raises now if that call failed
     if pending:
         late = [label for ref, label in zip(refs, labels) if ref in pending]
         raise WorkerTimeout(
             f"{what}: no answer from {', '.join(late)} within {setting}={timeout_s:g}s; the process may "
             f"be stuck on the network (NCCL_SOCKET_IFNAME, firewalled ports) or dead: read its log "
             f"(`ray logs` or the dashboard), fix that, or raise {setting}")
-    return ray.get(list(refs))
+    return [results[ref] for ref in refs]
+
+
+@contextlib.contextmanager
+def worker_errors() -> Iterator[None]:
+    """Re-raise a TrainerError that a worker raised as itself (CLOUDRL_DEBUG=1 still shows Ray's
+    traceback as its cause); anything else passes unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        cause = trainer_error_in(exc)
+        if cause is None:
+            raise
+        raise cause from exc
+
+
+def trainer_error_in(exc: BaseException) -> TrainerError | None:
+    """The TrainerError a worker raised, out of Ray's RayTaskError around it; None for anything else.
+    (Workers raise their start errors from their first call, not their constructor: workers.py.)"""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, TrainerError):
+        return exc.cause
+    return None

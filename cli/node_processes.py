@@ -1,0 +1,109 @@
+"""The processes of `cloudrl local up`'s nodes: started in their own sessions, and stopped exactly
+(their process trees and process groups, checked by PID and start time, since PIDs get reused), never
+with `ray stop`, which would stop every Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+_STARTED: list[subprocess.Popen] = []
+
+
+def spawn(args: list[str], log: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Start one node's `ray start --block` in its own session; returns its record for the state file."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+    import psutil
+
+    try:
+        created = psutil.Process(proc.pid).create_time()
+    except psutil.NoSuchProcess:
+        created = 0.0
+    _STARTED.append(proc)  # the node outlives this call on purpose; keep Popen from warning about it
+    return {"pid": proc.pid, "create_time": created, "log": str(log)}
+
+
+def own_process(node: dict[str, Any]) -> Any:
+    """The node's `ray start` process, only if the PID still belongs to it (PIDs get reused)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(node["pid"])
+        if abs(proc.create_time() - node["create_time"]) > 0.5 or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except psutil.Error:
+        return None
+
+
+def alive(node: dict[str, Any]) -> bool:
+    return own_process(node) is not None
+
+
+def stop_node(node: dict[str, Any], grace_s: float = 5.0) -> int:
+    import psutil
+
+    procs = []
+    leader = own_process(node)
+    if leader is not None:
+        try:
+            procs = [leader] + leader.children(recursive=True)
+        except psutil.Error:
+            procs = [leader]
+    # Processes of this node that lost their parent are still in its process group (the leader's
+    # session); only those started after the leader can be ours.
+    known = {p.pid for p in procs}
+    for p in psutil.process_iter(["pid", "create_time"]):
+        try:
+            if (p.pid not in known and p.info["create_time"] >= node["create_time"] - 0.5
+                    and os.getpgid(p.pid) == node["pid"]):
+                procs.append(p)
+        except (psutil.Error, OSError):
+            continue
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    alive = _wait_gone(procs, grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    _wait_gone(alive, 5.0)
+    return len(procs)
+
+
+def _wait_gone(procs: list[Any], timeout_s: float) -> list[Any]:
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+                else:
+                    _reap(p.pid)
+            except psutil.Error:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status of our own children (when `up` ran in this process)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
