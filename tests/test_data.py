@@ -135,6 +135,20 @@ def test_custom_prompt_key_and_several_files(tmp_path, tok):
     assert len(records) == 4
 
 
+def test_answer_key_and_prompt_template(tmp_path, tok):
+    rows = [{"question": "2+2?", "solution": "4", "answer": "not this"}, {"question": CHAT, "solution": 7}]
+    path = write_jsonl(tmp_path / "raw.jsonl", rows)
+    cfg = DataConfig(prompt_key="question", answer_key="solution", prompt_template="{prompt} Answer after ####.")
+    first, second = load_prompts(str(path), tok, data_cfg=cfg, max_prompt_length=256)
+    assert first.prompt_text == "2+2? Answer after ####."
+    assert second.prompt_text == "system: Be brief.\nuser: What is 2+2? Answer after ####."  # the last user message
+    assert [first.ground_truth, second.ground_truth] == ["4", "7"]
+    assert first.extra == {"solution": "4", "answer": "not this"}
+    with pytest.raises(DataError, match=r"raw\.jsonl: no 'truth' column \(it has question, solution, answer\): "
+                                        r"set data\.answer_key=<one of them>"):
+        load_prompts(str(path), tok, data_cfg=DataConfig(prompt_key="question", answer_key="truth"))
+
+
 @pytest.mark.parametrize("make, split, message", [
     (lambda d: str(d / "nope.jsonl"), "train", "data file not found: {d}/nope.jsonl (relative to"),
     (lambda d: str(d / "nope.jsonl"), "val", "check data.val_files"),

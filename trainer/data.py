@@ -1,20 +1,22 @@
-"""Prompt datasets: loading verl-style JSONL/Parquet files and the built-in arithmetic task.
+"""Prompt datasets: verl-style JSONL/Parquet files, Hugging Face datasets and the built-in arithmetic task.
 
-    records = load_prompts("data/train.parquet,data/extra.jsonl", tokenizer, data_cfg=cfg.data, seed=1)
+    records = load_prompts("data/train.parquet,hf:openai/gsm8k:main@train", tokenizer, data_cfg=cfg.data, seed=1)
     loader = PromptLoader(records, batch_size=16, shuffle=True, seed=1)
     batch = loader.next_batch()            # list[PromptRecord]; loader.state_dict() goes in checkpoints
 
-A file row has the columns verl users already have: `prompt` (a string or a list of chat messages),
+A row has the columns verl users already have: `prompt` (a string or a list of chat messages),
 `reward_model: {ground_truth: ...}` (or a flat `ground_truth` / `answer` column) and `data_source`;
-every other column travels along in `PromptRecord.extra` and reaches the reward function. Nothing
-here imports Ray; the only heavy import is pyarrow, and only when a Parquet file is read.
+`data.prompt_key` / `data.answer_key` name other columns, `data.prompt_template` wraps the prompt.
+Every other column travels along in `PromptRecord.extra` and reaches the reward function. File rows
+and dataset rows (`hub_data.py`) go through the same `_rows_to_records`. Nothing here imports Ray;
+pyarrow is imported only when a Parquet file is read, `datasets` only for an `hf:` entry.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,6 +24,7 @@ import torch
 
 from .config import DataConfig
 from .errors import DataError
+from .hub_data import HF_PREFIX, load_rows, parse_ref
 
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
 # Names the reward call passes itself; a file column with one of these names stays out of `extra`.
@@ -49,17 +52,22 @@ class PromptRecord:
 
 def load_prompts(files: str, tokenizer, *, prompt_key: str | None = None, max_prompt_length: int | None = None,
                  split: str = "train", data_cfg: DataConfig | None = None, seed: int = 0) -> list[PromptRecord]:
-    """Read comma-separated `files` (`.jsonl`, `.parquet` or `builtin:arithmetic`) into records.
+    """Read comma-separated `files` (`.jsonl`, `.parquet`, `hf:DATASET[:CONFIG][@SPLIT]` or
+    `builtin:arithmetic`) into records.
 
     `prompt_key` and `max_prompt_length` default to `data_cfg`'s values (or "prompt" and 64);
-    `data_cfg` also sizes the built-in task. `split` only matters for the built-in task ("val" is
-    its fixed evaluation set) and for naming the config key in error messages. Relative paths are
-    relative to the current directory. Raises DataError with the fix in its message.
+    `data_cfg` also gives the answer column, the prompt template and the built-in task's size.
+    `split` picks the built-in task's fixed evaluation set ("val") and an `hf:` entry's default
+    split (train, or test for "val"), and names the config key in error messages. Relative paths
+    are relative to the current directory. Raises DataError with the fix in its message.
     """
     cfg = data_cfg or DataConfig()
-    prompt_key = prompt_key or cfg.prompt_key
-    max_len = max_prompt_length or cfg.max_prompt_length
     key = "data.val_files" if split == "val" else "data.train_files"
+    how = _Reading(prompt_key or cfg.prompt_key, cfg.answer_key, cfg.prompt_template,
+                   max_prompt_length or cfg.max_prompt_length, key)
+    if how.template and "{prompt}" not in how.template:
+        raise DataError(f"data.prompt_template={how.template!r} has no {{prompt}}: mark where the prompt goes, "
+                        f"e.g. data.prompt_template='{{prompt}} Give the final answer after ####.'")
     entries = [f.strip() for f in files.split(",") if f.strip()]
     if not entries:
         raise DataError(f"no prompt files given: set {key}=path/to/train.parquet (or {BUILTIN_ARITHMETIC})")
@@ -69,39 +77,66 @@ def load_prompts(files: str, tokenizer, *, prompt_key: str | None = None, max_pr
             if entry != BUILTIN_ARITHMETIC:
                 raise DataError(f"unknown built-in dataset {entry!r} in {key}: "
                                 f"the built-in one is {BUILTIN_ARITHMETIC}")
-            records += _arithmetic_records(tokenizer, cfg, split, seed, max_len)
+            records += _arithmetic_records(tokenizer, cfg, split, seed, how.max_len)
+        elif entry.startswith(HF_PREFIX):
+            records += _dataset_records(entry, "test" if split == "val" else "train", tokenizer, how)
         else:
-            records += _file_records(Path(entry), tokenizer, prompt_key, max_len, key)
+            records += _file_records(Path(entry), tokenizer, how)
     return records
 
 
-def _file_records(path: Path, tokenizer, prompt_key: str, max_len: int, key: str) -> list[PromptRecord]:
+@dataclass(frozen=True)
+class _Reading:
+    """How rows become records: the columns to read, the prompt template and the key errors name."""
+
+    prompt_key: str
+    answer_key: str
+    template: str
+    max_len: int
+    key: str
+
+
+def _file_records(path: Path, tokenizer, how: _Reading) -> list[PromptRecord]:
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".parquet"):
-        raise DataError(f"{path}: unsupported file type {suffix or '(none)'!r}: use .jsonl or .parquet files in {key}")
+        raise DataError(f"{path}: unsupported file type {suffix or '(none)'!r}: use .jsonl or .parquet files "
+                        f"(or hf:DATASET entries) in {how.key}")
     if not path.is_file():
-        raise DataError(f"data file not found: {path} (relative to {Path.cwd()}): check {key}")
+        raise DataError(f"data file not found: {path} (relative to {Path.cwd()}): check {how.key}")
     rows = _read_jsonl(path) if suffix == ".jsonl" else _read_parquet(path)
     if not rows:
-        raise DataError(f"{path}: the file has no rows: add prompts or remove it from {key}")
-    columns = list(dict.fromkeys(k for _, row in rows for k in row))
-    if prompt_key not in columns:
-        raise DataError(f"{path}: no {prompt_key!r} column (it has {', '.join(columns) or 'none'}): "
-                        f"set data.prompt_key=<one of them>")
+        raise DataError(f"{path}: the file has no rows: add prompts or remove it from {how.key}")
+    return _rows_to_records(str(path), rows, path.stem, tokenizer, how)
 
+
+def _dataset_records(entry: str, default_split: str, tokenizer, how: _Reading) -> list[PromptRecord]:
+    ref = parse_ref(entry[len(HF_PREFIX):], entry)
+    ref = replace(ref, split=ref.split or default_split)
+    rows = _plain_rows(load_rows(ref, entry, split_fix=f"pick one with @SPLIT in {how.key}"))
+    return _rows_to_records(entry, rows, ref.source_name, tokenizer, how)
+
+
+def _rows_to_records(label: str, rows: list[tuple[str, dict]], default_source: str, tokenizer,
+                     how: _Reading) -> list[PromptRecord]:
+    """The one path from rows (`where` in the source, column -> value) to records, for files and datasets."""
+    columns = list(dict.fromkeys(k for _, row in rows for k in row))
+    for name, setting in ((how.prompt_key, "data.prompt_key"), (how.answer_key, "data.answer_key")):
+        if name and name not in columns:
+            raise DataError(f"{label}: no {name!r} column (it has {', '.join(columns) or 'none'}): "
+                            f"set {setting}=<one of them>")
     texts, truths, sources, extras = [], [], [], []
     for where, row in rows:
-        texts.append(_prompt_text(row.get(prompt_key), tokenizer, f"{path}:{where}", prompt_key))
-        truths.append(_ground_truth(row))
-        sources.append(str(row.get("data_source") or path.stem))
-        extras.append({k: v for k, v in row.items() if k != prompt_key and k not in RESERVED_COLUMNS})
+        texts.append(_prompt_text(row.get(how.prompt_key), tokenizer, f"{label}:{where}", how))
+        truths.append(_ground_truth(row, how.answer_key))
+        sources.append(str(row.get("data_source") or default_source))
+        extras.append({k: v for k, v in row.items() if k != how.prompt_key and k not in RESERVED_COLUMNS})
     # A chat template writes the model's special tokens itself, so don't let the tokenizer add more.
     ids = _encode(tokenizer, texts, add_special_tokens=not _has_chat_template(tokenizer))
     records = []
     for (where, _), text, prompt_ids, truth, source, extra in zip(rows, texts, ids, truths, sources, extras):
         if not prompt_ids:
-            raise DataError(f"{path}:{where}: the prompt is empty: fill it in or drop the row")
-        prompt_ids, text = _left_truncate(tokenizer, prompt_ids, text, max_len)
+            raise DataError(f"{label}:{where}: the prompt is empty: fill it in or drop the row")
+        prompt_ids, text = _left_truncate(tokenizer, prompt_ids, text, how.max_len)
         records.append(PromptRecord(prompt_ids, text, truth, source, extra))
     return records
 
@@ -132,15 +167,19 @@ def _read_parquet(path: Path) -> list[tuple[str, dict]]:
     except (pa.ArrowException, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise DataError(f"{path}: not a readable Parquet file ({first}): rewrite it with pyarrow or pandas") from None
+    return _plain_rows(table.to_pylist())
+
+
+def _plain_rows(rows: list[dict]) -> list[tuple[str, dict]]:
     # Round-trip through JSON so `extra` holds plain values (dates, decimals and bytes become strings).
-    return [(f"row {i}", json.loads(json.dumps(row, default=str))) for i, row in enumerate(table.to_pylist())]
+    return [(f"row {i}", json.loads(json.dumps(row, default=str))) for i, row in enumerate(rows)]
 
 
 def _has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def _prompt_text(prompt: Any, tokenizer, where: str, prompt_key: str) -> str:
+def _prompt_text(prompt: Any, tokenizer, where: str, how: _Reading) -> str:
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and prompt and all(
@@ -148,19 +187,24 @@ def _prompt_text(prompt: Any, tokenizer, where: str, prompt_key: str) -> str:
             for m in prompt):
         messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
     else:
-        raise DataError(f"{where}: {prompt_key!r} must be a string or a list of "
+        raise DataError(f"{where}: {how.prompt_key!r} must be a string or a list of "
                         f'{{"role": ..., "content": ...}} messages; got {_short(prompt)}')
+    if how.template:
+        # The template wraps what the user asks: the last user message (the only one of a string prompt).
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages) - 1)
+        messages[last_user]["content"] = how.template.replace("{prompt}", messages[last_user]["content"])
     if _has_chat_template(tokenizer):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if isinstance(prompt, str):
-        return prompt
+        return messages[0]["content"]
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
-def _ground_truth(row: dict) -> str:
-    reward_model = row.get("reward_model")
-    if isinstance(reward_model, dict) and reward_model.get("ground_truth") is not None:
-        value = reward_model["ground_truth"]
+def _ground_truth(row: dict, answer_key: str = "") -> str:
+    if answer_key:
+        value = row.get(answer_key)
+    elif isinstance(row.get("reward_model"), dict) and row["reward_model"].get("ground_truth") is not None:
+        value = row["reward_model"]["ground_truth"]
     elif row.get("ground_truth") is not None:
         value = row["ground_truth"]
     else:
@@ -199,15 +243,19 @@ def arithmetic_pairs(max_operand: int) -> list[tuple[int, int]]:
     return [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
 
 
-def _arithmetic_records(tokenizer, cfg: DataConfig, split: str, seed: int, max_len: int) -> list[PromptRecord]:
+def arithmetic_problems(cfg: DataConfig, split: str, seed: int) -> list[tuple[int, int]]:
+    """The built-in task's (a, b) pairs: `arithmetic_size` seeded draws, or every pair once for "val"."""
     # The task is tiny, so "val" is not disjoint from "train": it is every pair once, in a fixed
     # order, which makes validation accuracy comparable across runs and seeds.
     if split == "val":
-        pairs = arithmetic_pairs(cfg.arithmetic_max_operand)
-    else:
-        rng = random.Random(seed)
-        top = cfg.arithmetic_max_operand
-        pairs = [(rng.randint(0, top), rng.randint(0, top)) for _ in range(cfg.arithmetic_size)]
+        return arithmetic_pairs(cfg.arithmetic_max_operand)
+    rng = random.Random(seed)
+    top = cfg.arithmetic_max_operand
+    return [(rng.randint(0, top), rng.randint(0, top)) for _ in range(cfg.arithmetic_size)]
+
+
+def _arithmetic_records(tokenizer, cfg: DataConfig, split: str, seed: int, max_len: int) -> list[PromptRecord]:
+    pairs = arithmetic_problems(cfg, split, seed)
     if not pairs:
         raise DataError(f"{BUILTIN_ARITHMETIC} has no prompts: set data.arithmetic_size >= 1")
     # The raw prompt even when the tokenizer has a chat template: the task targets base models.
