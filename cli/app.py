@@ -2,14 +2,16 @@
 
 Commands stay thin: parse, call one function of their module, print. Expected failures are
 CloudrlError; the group below prints them as one red line on stderr and exits 1 (CLOUDRL_DEBUG=1
-shows the traceback instead). Ray and dstack are imported inside the modules' functions, so
-`cloudrl --help` stays fast.
+shows the traceback instead). Usage errors (an unknown option, a missing argument, a value click
+cannot parse) are one red line too, naming the command's --help, with click's exit status 2. Ray and
+dstack are imported inside the modules' functions, so `cloudrl --help` stays fast.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Optional
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from typer.core import TyperGroup
@@ -18,18 +20,43 @@ from .errors import CloudrlError
 
 
 class _Group(TyperGroup):
-    """Turns expected failures into one red line and exit status 1."""
+    """Turns expected failures into one red line: exit status 1, or 2 for a usage error."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: typer.Context | None = None,
+                     **extra: Any) -> typer.Context:
+        # The top-level group parses its own options here, before `invoke` (e.g. `cloudrl --bogus`).
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except typer.TyperException as exc:
+            _usage_error(exc, " ".join(filter(None, [parent.command_path if parent else None, info_name])))
 
     def invoke(self, ctx: typer.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except typer.TyperException as exc:  # a sub-command's options and arguments are parsed in here
+            _usage_error(exc, " ".join(filter(None, [ctx.command_path, ctx.invoked_subcommand])))
         except Exception as exc:
             from cloudrl.trainer.config import ConfigError
 
             if not isinstance(exc, (CloudrlError, ConfigError)) or os.environ.get("CLOUDRL_DEBUG"):
                 raise
-            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+            _red_line(str(exc))
             raise typer.Exit(1) from None
+
+
+def _usage_error(exc: typer.TyperException, command: str) -> NoReturn:
+    """Typer's usage errors (unknown option, missing argument, bad value) as one line, not its boxed panel."""
+    # NoArgsIsHelpError carries the help text that `no_args_is_help` shows; Typer tells it by name too.
+    if type(exc).__name__ == "NoArgsIsHelpError" or os.environ.get("CLOUDRL_DEBUG"):
+        raise exc
+    message = exc.format_message().strip().rstrip(".")
+    ctx = getattr(exc, "ctx", None)
+    _red_line(f"{message[:1].lower()}{message[1:]}: see `{ctx.command_path if ctx else command or 'cloudrl'} --help`")
+    raise typer.Exit(exc.exit_code)
+
+
+def _red_line(message: str) -> None:
+    typer.secho(f"error: {' '.join(message.split())}", fg=typer.colors.RED, err=True)
 
 
 app = typer.Typer(
@@ -95,23 +122,50 @@ def submit(
         "--env", "-e", show_default=False,
         help="Name of a variable of this shell to pass to the job (repeatable); its value is never printed.")] = None,
     dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Print the resolved config and the job request; contact no cluster.")] = False,
+        "--dry-run", help="Print the resolved config, every file that would be uploaded with its size, and "
+                          "the job request; contact no cluster.")] = False,
+    workdir: Annotated[Optional[Path], typer.Option(
+        "--workdir", "-w", show_default=False, file_okay=False,
+        help="Also ship this directory's tree (your own code) as the job's working directory; "
+             ".gitignore and .cloudrlignore patterns are left out.")] = None,
+    requirements: Annotated[Optional[Path], typer.Option(
+        "--requirements", "-r", show_default=False, dir_okay=False,
+        help="A requirements.txt whose packages Ray installs for the job on every node.")] = None,
+    pip: Annotated[Optional[list[str]], typer.Option(
+        "--pip", show_default=False, help="A package Ray installs for the job on every node (repeatable).")] = None,
 ) -> None:
     """Check the config and the cluster in seconds, then run the trainer there as a Ray job.
 
-    Prints the job id, its dashboard URL and the commands to follow, inspect and stop it.
+    The local files the config names (a reward.function file, data files, a local model directory) are
+    shipped with the job, and the config is pointed at them. Prints the job id, its dashboard URL and
+    the commands to follow, inspect and stop it.
     """
+    import tempfile
+
     from . import submit as sub
-    from .ray_api import Address, Dashboard, resolve_address
+    from .ray_api import Address, resolve_address
+    from .shipping import plan_upload
 
     overrides = overrides or []
     cfg = sub.load_config(config, overrides)
-    req = sub.build_request(config, overrides, name, env or [])
+    upload = plan_upload(cfg, Path.cwd(), workdir, requirements, pip)
+    req = sub.build_request(config, overrides, name, env or [], upload)
     env_values = sub.read_env(req.env_names)
-    if dry_run:
-        where = Address("(the local cluster)", "local") if local else resolve_address(address)
-        typer.echo(sub.dry_run_text(cfg, req, where), nl=False)
-        return
+    with tempfile.TemporaryDirectory(prefix="cloudrl-files-") as tmp:
+        files_zip, zipped = sub.pack_upload(req, Path(tmp))
+        if dry_run:
+            where = Address("(the local cluster)", "local") if local else resolve_address(address)
+            typer.echo(sub.dry_run_text(cfg, req, where, zipped), nl=False)
+            return
+        _submit(sub, cfg, req, env_values, (files_zip, zipped), address, local, follow)
+
+
+def _submit(sub: Any, cfg: Any, req: Any, env_values: dict, files: tuple, address: str | None, local: bool,
+            follow: bool) -> None:
+    """The cluster half of `submit`: start the local cluster if asked, preflight, send, follow."""
+    from .ray_api import Dashboard, resolve_address
+
+    files_zip, zipped = files
     if local:
         from . import local_cluster
 
@@ -124,7 +178,10 @@ def submit(
                        f"dashboard {state['dashboard_url']}; stop it with `cloudrl local down`")
     dash = Dashboard(resolve_address(address, local))
     typer.echo(sub.preflight(dash, cfg))
-    job_id = sub.submit(dash, req, env_values)
+    if files_zip is not None:
+        typer.echo(f"shipping {len(req.upload.files)} file(s) ({zipped / 1024**2:.1f} MiB zipped) as the job's "
+                   f"working directory")
+    job_id = sub.submit(dash, req, env_values, files_zip)
     typer.echo(f"submitted {job_id} to {dash.address.url}")
     typer.echo(sub.next_steps(dash.address, job_id))
     if follow:
@@ -216,6 +273,35 @@ def dashboard(
 
 
 # ----------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------
+
+from .data import RECIPES as _DATASETS  # noqa: E402  (stdlib-only module: the names for --help)
+
+
+@app.command("data", epilog="Examples: cloudrl data gsm8k --out data/gsm8k    |    "
+                            "cloudrl data gsm8k --out data/gsm8k --source ./gsm8k_saved")
+def data_(
+    name: Annotated[str, typer.Argument(
+        show_default=False, help="The dataset: " + "; ".join(f"{k}: {r.about}" for k, r in _DATASETS.items()))],
+    out: Annotated[str, typer.Option(
+        "--out", "-o", show_default=False,
+        help="Directory for train.parquet and test.parquet (created if missing); one the cluster can read.")],
+    source: Annotated[Optional[str], typer.Option(
+        "--source", "-s", show_default=False,
+        help="Read from here instead of the hub (offline): a directory written by save_to_disk, a directory of "
+             "the dataset's Parquet files, or another hub id DATASET[:CONFIG].")] = None,
+) -> None:
+    """Write a dataset as Parquet files in the trainer's layout (verl's columns), ready for data.train_files."""
+    from .data import next_command, write_dataset
+
+    written = write_dataset(name, out, source)
+    for w in written:
+        typer.echo(f"{w.split}: {w.rows} rows -> {w.path}")
+    typer.echo(f"train on them: {next_command(name, written)}")
+
+
+# ----------------------------------------------------------------------------------------------
 # local cluster
 # ----------------------------------------------------------------------------------------------
 
@@ -241,7 +327,9 @@ def local_up(
 ) -> None:
     """Start a Ray cluster of N nodes on this machine and wait until every node has joined."""
     from . import local_cluster
+    from .ray_api import check_port
 
+    check_port("--dashboard-port", dashboard_port, zero_means_any=True)
     state = local_cluster.up(nodes, cpus, gpus, object_store_mb, dashboard_port, timeout, echo=typer.echo)
     typer.echo(f"local cluster up: {nodes} node(s) x {state['cpus_per_node']} CPUs, "
                f"dashboard {state['dashboard_url']}\n"

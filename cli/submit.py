@@ -7,7 +7,8 @@ asks for), then the upload and the job.
 
 The cluster has no cloudrl installed: the installed `cloudrl.trainer` package is copied into a temp
 `cloudrl/` directory and sent as a runtime-env `py_modules` entry, which Ray unpacks on each node
-and puts on the job's PYTHONPATH ahead of site-packages.
+and puts on the job's PYTHONPATH ahead of site-packages. The local files the config names (reward
+code, data, small models) and `--workdir` travel as the job's working directory (see shipping.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Callable
 
 from .errors import CloudrlError
 from .ray_api import Address, Dashboard
+from .shipping import Upload, write_zip
 
 # `python3` is what tasks/ray-bootstrap.sh installs Ray into; the local cluster puts this
 # environment's python3 first on its nodes' PATH.
@@ -45,6 +47,8 @@ class JobRequest:
     env_names: list[str] = field(default_factory=list)
     preset_file: Path | None = None
     """A preset given as a YAML path: shipped inside the package under its stem."""
+    upload: Upload = field(default_factory=Upload)
+    """The job's working directory: the local files the config names, and --workdir."""
 
     @property
     def preset_arg(self) -> str:
@@ -53,7 +57,8 @@ class JobRequest:
 
     @property
     def entrypoint(self) -> str:
-        return shlex.join(TRAINER_COMMAND + ["--preset", self.preset_arg] + self.overrides)
+        # The upload's rewrites come last, so they win over the same keys in the user's overrides.
+        return shlex.join(TRAINER_COMMAND + ["--preset", self.preset_arg] + self.overrides + self.upload.overrides)
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -61,9 +66,16 @@ class JobRequest:
         return {"cloudrl_preset": self.preset, "cloudrl_overrides": shlex.join(self.overrides),
                 "cloudrl_name": self.submission_id}
 
-    def runtime_env(self, package_dir: str | Path, env_values: dict[str, str]) -> dict[str, Any]:
+    def runtime_env(self, package_dir: str | Path, env_values: dict[str, str],
+                    working_dir: str | Path | None = None) -> dict[str, Any]:
         # Unbuffered, so the step lines reach `cloudrl logs --follow` as they are printed.
-        return {"py_modules": [str(package_dir)], "env_vars": {"PYTHONUNBUFFERED": "1", **env_values}}
+        env: dict[str, Any] = {"py_modules": [str(package_dir)],
+                               "env_vars": {"PYTHONUNBUFFERED": "1", **env_values}}
+        if working_dir is not None:
+            env["working_dir"] = str(working_dir)
+        if self.upload.pip:
+            env["pip"] = {"packages": list(self.upload.pip), "pip_check": False}
+        return env
 
 
 def load_config(preset: str, overrides: list[str]) -> Any:
@@ -77,7 +89,8 @@ def load_config(preset: str, overrides: list[str]) -> Any:
         raise CloudrlError(str(exc)) from None
 
 
-def build_request(preset: str, overrides: list[str], name: str | None, env_names: list[str]) -> JobRequest:
+def build_request(preset: str, overrides: list[str], name: str | None, env_names: list[str],
+                  upload: Upload | None = None) -> JobRequest:
     from cloudrl.trainer.config import PRESET_DIR, preset_path
 
     path = preset_path(preset)  # load_config has already accepted it
@@ -92,7 +105,7 @@ def build_request(preset: str, overrides: list[str], name: str | None, env_names
             var = env.split("=")[0] or "NAME"
             raise CloudrlError(f"--env {env!r}: give the variable's NAME; its value is read from this shell and "
                                f"never put on a command line (export {var}=... and pass --env {var})")
-    return JobRequest(name, preset, list(overrides), list(dict.fromkeys(env_names)), preset_file)
+    return JobRequest(name, preset, list(overrides), list(dict.fromkeys(env_names)), preset_file, upload or Upload())
 
 
 def read_env(names: list[str]) -> dict[str, str]:
@@ -133,26 +146,40 @@ def preflight(dash: Dashboard, cfg: Any) -> str:
     return f"cluster ok: Ray {version}, {describe_cluster(nodes)}"
 
 
-def dry_run_text(cfg: Any, req: JobRequest, address: Address) -> str:
+def dry_run_text(cfg: Any, req: JobRequest, address: Address, zipped_bytes: int | None) -> str:
     import yaml
 
+    env_vars = {"PYTHONUNBUFFERED": "1", **{n: "<from this shell, not shown>" for n in req.env_names}}
+    placeholder = f"<a copy of cloudrl.trainer{' + ' + str(req.preset_file) if req.preset_file else ''}>"
     request = {
         "address": address.url,
         "submission_id": req.submission_id,
         "entrypoint": req.entrypoint,
-        "runtime_env": {
-            "py_modules": [f"<a copy of cloudrl.trainer{' + ' + str(req.preset_file) if req.preset_file else ''}>"],
-            "env_vars": {"PYTHONUNBUFFERED": "1", **{n: "<from this shell, not shown>" for n in req.env_names}},
-        },
+        "runtime_env": req.runtime_env(placeholder, env_vars, "<the files below, zipped>" if req.upload.files else None),
         "metadata": req.metadata,
     }
+    files = (f"# files shipped as the job's working directory\n{req.upload.listing(zipped_bytes)}\n"
+             if req.upload.files else "# files shipped: none besides the trainer (the config names no local file)\n")
+    if req.upload.cluster_paths:
+        files += "# read on the cluster, not shipped (absolute paths not on this machine):\n"
+        files += "".join(f"  {entry}\n" for entry in req.upload.cluster_paths)
     return (f"# resolved config ({req.preset}{' + ' + ' '.join(req.overrides) if req.overrides else ''})\n"
-            f"{cfg.to_yaml()}\n# job request (--dry-run: not submitted, the cluster was not contacted)\n"
+            f"{cfg.to_yaml()}\n{files}# job request (--dry-run: not submitted, the cluster was not contacted)\n"
             f"{yaml.safe_dump(request, sort_keys=False)}")
 
 
-def submit(dash: Dashboard, req: JobRequest, env_values: dict[str, str]) -> str:
-    """Upload the trainer and create the job; on any failure after the request left, remove the job."""
+def pack_upload(req: JobRequest, tmp: Path) -> tuple[Path | None, int | None]:
+    """The job's working directory as a zip in tmp (None when nothing is shipped), and its size.
+    Raises before anything is sent when the zip is over Ray's upload limit."""
+    if not req.upload.files:
+        return None, None
+    target = tmp / "job-files.zip"
+    return target, write_zip(req.upload, target)
+
+
+def submit(dash: Dashboard, req: JobRequest, env_values: dict[str, str], files_zip: Path | None = None) -> str:
+    """Upload the trainer (and the job's files) and create the job; on any failure after the request
+    left, remove the job."""
     import requests
 
     client = dash.jobs
@@ -160,7 +187,8 @@ def submit(dash: Dashboard, req: JobRequest, env_values: dict[str, str]) -> str:
         package = stage_package(Path(tmp), req.preset_file)
         try:
             return client.submit_job(entrypoint=req.entrypoint, submission_id=req.submission_id,
-                                     runtime_env=req.runtime_env(package, env_values), metadata=req.metadata)
+                                     runtime_env=req.runtime_env(package, env_values, files_zip),
+                                     metadata=req.metadata)
         except RuntimeError as exc:  # the Jobs API said no: no job was created
             if "already" in str(exc) and req.submission_id in str(exc):
                 raise CloudrlError(f"a job named {req.submission_id!r} already exists on {dash.address.url}: "

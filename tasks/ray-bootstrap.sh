@@ -22,6 +22,7 @@
 #   NCCL_SOCKET_IFNAME=auto     auto: the interface that holds this node's dstack IP (GLOO_SOCKET_IFNAME too)
 #   NCCL_IB_DISABLE=auto        auto: 0 when /sys/class/infiniband has devices, else 1
 #   RAY_AUTH_TOKEN              set (as a secret): Ray token authentication on, with this token
+#   HF_HOME, CLOUDRL_RUNS_DIR   default to /checkpoints/hf-cache and /checkpoints when /checkpoints exists
 # This script knows nothing of the trainer: `cloudrl submit` ships it through Ray's runtime env.
 set -euo pipefail
 
@@ -29,7 +30,7 @@ set -euo pipefail
 # cluster; `cloudrl validate` checks it. Not an env knob on purpose.
 CLOUDRL_RAY_VERSION="2.60.0"
 # import-name=pip-requirement pairs the trainer imports beyond a CUDA torch + vLLM image.
-TRAINER_PACKAGES="yaml=pyyaml pyarrow=pyarrow tensorboard=tensorboard"
+TRAINER_PACKAGES="yaml=pyyaml pyarrow=pyarrow tensorboard=tensorboard datasets=datasets"
 # W&B logging only when the run has a key for it.
 [[ -z "${WANDB_API_KEY:-}" ]] || TRAINER_PACKAGES+=" wandb=wandb"
 
@@ -142,6 +143,14 @@ if [[ "${NCCL_IB_DISABLE:-auto}" == auto ]]; then
 fi
 log "node $NODE_IP; NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<unset>} NCCL_IB_DISABLE=$NCCL_IB_DISABLE;" \
     "Ray token auth ${RAY_AUTH_MODE/disabled/off}"
+
+# Runs and downloads go to the run volume when the task mounts one (tasks/*.dstack.yml: /checkpoints):
+# a job's relative trainer.run_dir lands there instead of in the job's temporary working directory,
+# and each node downloads a hub model once for all runs (nodes sharing the volume share the cache).
+# Values set in the task's env win. Exported before `ray start`, so every job and worker inherits them.
+if [[ -d /checkpoints && -w /checkpoints ]]; then
+    export HF_HOME="${HF_HOME:-/checkpoints/hf-cache}" CLOUDRL_RUNS_DIR="${CLOUDRL_RUNS_DIR:-/checkpoints}"
+fi
 
 # --- 4. Ray -------------------------------------------------------------------------------------
 # Ray's CLI from the interpreter that just got the pinned Ray, whatever `ray` PATH finds first.

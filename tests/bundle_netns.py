@@ -2,25 +2,36 @@
 
 Each node is a network namespace with one veth into a bridge that lives in a namespace of its own with
 no uplink, so the nodes reach each other on 10.213.<net>.0/24 and nothing else. Each node also gets a
-private mount and UTS namespace with its own /tmp/ray (a per-node directory bind-mounted there), as
-separate containers would. Where network namespaces are unavailable (not root, no `ip netns`), a
-loopback cluster stands in: every node on its own 127.0.0.x address with its own ports and Ray temp dir.
+private mount and UTS namespace with a disk of its own, as separate machines have: its own /tmp (so
+/tmp/ray, Ray's session directory), its own home (so ~/.cache/cloudrl and ~/.cache/huggingface) and its
+own working directory holding only what the task's `files:` ship. Only "the image" stays shared: this
+interpreter's prefixes and the repository (the venv and the editable cloudrl install live there), even
+where those lie under /tmp or the home directory. A file that exists only on the host (the submitting
+machine) is therefore on no node.
+
+Where network namespaces are unavailable (not root, no `ip netns`), a loopback cluster stands in: every
+node on its own 127.0.0.x address with its own ports, and its own HOME, XDG_CACHE_HOME, HF_HOME,
+CLOUDRL_CACHE, TMPDIR and working directory, set through the environment. That guarantee is weaker:
+the nodes and the host still share one filesystem, so a literal /tmp path (or any absolute path) is
+visible to every node.
 
 What is taken from dstack's runner (dstack 0.22.5): each node runs `<shell> -i -c "<commands joined by
 ' && '>"` with the shell `/bin/sh` when the task sets an `image` (`/bin/bash` otherwise), from the
-working directory (here the repository root, which is what the task's `files:` mapping reproduces),
-with `DSTACK_NODE_RANK`, `DSTACK_NODES_NUM`, `DSTACK_MASTER_NODE_IP`, `DSTACK_NODES_IPS` (one address
-a line, in rank order), `DSTACK_GPUS_PER_NODE` and `DSTACK_GPUS_NUM` set, plus the task's `env`, whose
-name-only entries `dstack apply` fills from the user's shell.
+working directory the task's `files:` are copied into, with `DSTACK_NODE_RANK`, `DSTACK_NODES_NUM`,
+`DSTACK_MASTER_NODE_IP`, `DSTACK_NODES_IPS` (one address a line, in rank order),
+`DSTACK_GPUS_PER_NODE` and `DSTACK_GPUS_NUM` set, plus the task's `env`, whose name-only entries
+`dstack apply` fills from the user's shell.
 
 Every process is stopped by PID: the node's process group, then anything still left inside the node's
-namespace or carrying the cluster's marker variable (Ray daemons start their own process groups).
+namespace or carrying the cluster's marker variable (Ray daemons start their own process groups). The
+mounts live only in the nodes' private mount namespaces, which vanish with their last process.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -31,103 +42,9 @@ import time
 import uuid
 from pathlib import Path
 
-import yaml
+from dstack_runner import REPO_ROOT, base_env
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MARKER_VAR = "CLOUDRL_BUNDLE_TEST_CLUSTER"
-
-
-# --- what dstack's runner does with a task ----------------------------------------------------------
-
-
-def load_task(path: Path) -> dict:
-    return yaml.safe_load(path.read_text())
-
-
-def node_groups(task: dict) -> list[dict]:
-    """The task's node groups in rank order; a plain `nodes: N` task is one group."""
-    if task.get("groups"):
-        return task["groups"]
-    return [{"nodes": task.get("nodes", 1), "commands": task.get("commands", [])}]
-
-
-def nodes_num(task: dict) -> int:
-    return sum(group.get("nodes", 1) for group in node_groups(task))
-
-
-def node_argv(task: dict, rank: int) -> list[str]:
-    """The argv dstack's runner executes on the node of this rank."""
-    first = 0
-    for group in node_groups(task):
-        if rank < first + group.get("nodes", 1):
-            commands = group["commands"]
-            break
-        first += group.get("nodes", 1)
-    else:
-        raise ValueError(f"rank {rank} is outside the task's {nodes_num(task)} nodes")
-    shell = task.get("shell")
-    if shell is None:
-        shell = "/bin/sh" if task.get("image") else "/bin/bash"
-    elif not shell.startswith("/"):
-        shell = f"/bin/{shell}"
-    joined = []
-    for command in commands:
-        command = command.strip()
-        joined.append("{ %s }" % command if command.endswith("&") else command)
-    return [shell, "-i", "-c", " && ".join(joined)]
-
-
-def task_env(task: dict, local_env: dict[str, str]) -> dict[str, str]:
-    """The task's `env` as the runner receives it; name-only entries come from `local_env`."""
-    raw = task.get("env") or {}
-    items = raw.items() if isinstance(raw, dict) else (
-        (entry.split("=", 1) if "=" in entry else (entry, None)) for entry in raw)
-    env = {}
-    for name, value in items:
-        if value is None:
-            if name not in local_env:  # what `dstack apply` does too
-                raise KeyError(f"Environment variable {name} is not set")
-            value = local_env[name]
-        env[name] = str(value)
-    return env
-
-
-def check_shipped_files(task_path: Path, task: dict, workdir: Path) -> None:
-    """The task's `files:` (local path relative to the YAML, container path relative to the working
-    dir) must land where the repository already has them, so running from the repository root is
-    exactly what dstack would give the node."""
-    for entry in task.get("files") or []:
-        local, _, remote = entry.partition(":") if isinstance(entry, str) else (
-            entry["local_path"], ":", entry["path"])
-        remote = remote or local
-        source = (task_path.parent / local).resolve()
-        assert source.is_file(), f"{task_path.name} ships {local}, which does not exist"
-        assert (workdir / remote).resolve() == source, (
-            f"{task_path.name} ships {local} to {remote}, which is not where the repository has it")
-
-
-def dstack_env(rank: int, ips: list[str], gpus_per_node: int) -> dict[str, str]:
-    return {
-        "DSTACK_RUN_NAME": "cloudrl-ray",
-        "DSTACK_NODE_RANK": str(rank),
-        "DSTACK_NODES_NUM": str(len(ips)),
-        "DSTACK_MASTER_NODE_IP": ips[0],
-        "DSTACK_NODES_IPS": "\n".join(ips),
-        "DSTACK_GPUS_PER_NODE": str(gpus_per_node),
-        "DSTACK_GPUS_NUM": str(gpus_per_node * len(ips)),
-        "DSTACK_WORKING_DIR": str(REPO_ROOT),
-    }
-
-
-def base_env() -> dict[str, str]:
-    """A container-like environment whose python3 and ray are this interpreter's."""
-    return {
-        "PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        "HOME": os.environ.get("HOME", "/root"),
-        "LANG": "C.UTF-8",
-        "PYTHONUNBUFFERED": "1",
-        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-    }
 
 
 # --- availability -----------------------------------------------------------------------------------
@@ -148,17 +65,68 @@ def netns_unavailable_reason() -> str | None:
     return None
 
 
+# --- a node's own disk ------------------------------------------------------------------------------
+
+
+def image_paths() -> list[Path]:
+    """What every node shares, as its image would hold it: this interpreter's prefixes (the venv and
+    the Python it was made from) and the repository (cloudrl is installed editable from it)."""
+    return sorted({Path(p).resolve() for p in (sys.prefix, sys.base_prefix, REPO_ROOT)})
+
+
+def home_dir() -> Path:
+    return Path(base_env()["HOME"]).resolve()
+
+
+def _q(path: Path | str) -> str:
+    return shlex.quote(str(path))
+
+
+def _outermost(paths) -> list[Path]:
+    """`paths` without those inside another one of them: binding the outer one carries them along."""
+    kept: list[Path] = []
+    for path in sorted(set(paths)):
+        if not any(path.is_relative_to(outer) for outer in kept):
+            kept.append(path)
+    return kept
+
+
+def private_disk_script(covers: list[tuple[Path, Path]], keep: list[Path], hostname: str,
+                        cwd: Path) -> str:
+    """Shell lines for a fresh private mount namespace: lay each (target, own) of `covers` over its
+    target, e.g. the node's own tmp dir over /tmp, keeping every path of `keep` and `cwd` reachable
+    where it was; then set the hostname, cd to `cwd` and exec "$@".
+
+    A kept path under a target is first bound into the same relative place inside the node's own
+    dir, which `mount --rbind` then carries over the target along with it. The other covers' own dirs
+    are kept the same way: a cover reads its source after the covers before it, and the node's home
+    dir lies under /tmp whenever the cluster's workdir does."""
+    lines = ["set -e"]
+    # Outer targets first, so an inner one (a home under /tmp) is covered on the node's own disk.
+    for target, own in sorted(covers):
+        needed = [*keep, cwd, *(other for _, other in covers if other != own)]
+        for path in _outermost(p for p in needed if p.is_relative_to(target)):
+            if path == target:
+                raise ValueError(f"{target} holds the image; the nodes cannot each have their own")
+            inside = own / path.relative_to(target)
+            lines += [f"mkdir -p {_q(inside)}", f"mount --rbind {_q(path)} {_q(inside)}"]
+        lines += [f"mkdir -p {_q(target)}", f"mount --rbind {_q(own)} {_q(target)}"]
+    lines += [f"hostname {_q(hostname)}", f"cd {_q(cwd)}", 'exec "$@"']
+    return "\n".join(lines)
+
+
 # --- processes --------------------------------------------------------------------------------------
 
 
 class Node:
     """One node's command, started in its own session; its output goes to a log file."""
 
-    def __init__(self, rank: int, ip: str, argv: list[str], env: dict[str, str], log_path: Path):
+    def __init__(self, rank: int, ip: str, argv: list[str], env: dict[str, str], log_path: Path,
+                 cwd: Path):
         self.rank, self.ip, self.env, self.log_path = rank, ip, env, log_path
         self.started_at = time.monotonic()
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:
@@ -216,8 +184,9 @@ def _kill_pids(pids: list[int], sig: int) -> None:
 
 
 class Cluster:
-    """Nodes that run one task's commands; `stop()` removes every trace, `exec()` runs a command as if
-    from inside a node's container (for the head: where dstack's SSH tunnel ends)."""
+    """Nodes that run one task's commands, each on a disk of its own; `stop()` removes every trace.
+    `exec()` runs a command as if from the user's machine at the end of dstack's SSH tunnel into a
+    node (the node's network, the host's filesystem); `run_in_node()` as if on the node itself."""
 
     kind = ""
 
@@ -227,15 +196,27 @@ class Cluster:
         self.nodes: dict[int, Node] = {}
         self.ips: list[str] = []
 
-    # subclasses: node_prefix(rank), node_env(rank), create(), _remove(), _extra_pids()
+    # subclasses: disk(rank), node_prefix(rank), node_env(rank), disk_env(rank), create(), _remove(),
+    # _extra_pids()
+    def disk(self, rank: int) -> Path:
+        """The host directory that holds the node's own disk: tmp/, home/ and workflow/."""
+        raise NotImplementedError
+
     def node_prefix(self, rank: int) -> list[str]:
         return []
 
     def node_env(self, rank: int, env: dict[str, str]) -> dict[str, str]:
         return env
 
+    def disk_env(self, rank: int) -> dict[str, str]:
+        """Variables that point the node at its own disk (where no mount namespace does it)."""
+        return {}
+
     def create(self) -> None:
-        pass
+        for rank in range(self.size):
+            for _, own in self.own_dirs(rank):
+                own.mkdir(parents=True, exist_ok=True)
+            self.workflow_dir(rank).mkdir(parents=True, exist_ok=True)
 
     def _remove(self) -> None:
         pass
@@ -243,19 +224,66 @@ class Cluster:
     def _extra_pids(self) -> list[int]:
         return []
 
-    def start(self, rank: int, argv: list[str], env: dict[str, str]) -> Node:
-        env = {**self.node_env(rank, env), MARKER_VAR: self.id}
+    def own_dirs(self, rank: int) -> list[tuple[Path, Path]]:
+        """(where the node looks, where that lies on the host) for its /tmp and its home."""
+        disk = self.disk(rank)
+        return [(Path("/tmp").resolve(), disk / "tmp"), (home_dir(), disk / "home")]
+
+    def workflow_dir(self, rank: int) -> Path:
+        """The node's working dir, holding what the task ships; the same path on node and host."""
+        return self.disk(rank) / "workflow"
+
+    def node_path(self, rank: int, path: str | Path) -> Path:
+        """Where `path` as the node sees it (`/tmp/...`, `~/...`, or relative to its working dir)
+        lies on the host. Loopback stand-in: /tmp here means the node's TMPDIR."""
+        path = str(path)
+        if path == "~" or path.startswith("~/"):
+            return self.disk(rank) / "home" / path[2:]
+        if not path.startswith("/") or Path(path).is_relative_to(self.workflow_dir(rank)):
+            return self.workflow_dir(rank) / path
+        for target, own in self.own_dirs(rank):
+            if Path(path).is_relative_to(target):
+                return own / Path(path).relative_to(target)
+        raise ValueError(f"{path} is not on node {rank}'s own disk")
+
+    def ship(self, rank: int, files: dict[str, Path]) -> None:
+        """Copy the task's `files:` into the node's working dir, as dstack does before its commands."""
+        for remote, source in files.items():
+            dest = self.workflow_dir(rank) / remote
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest)
+
+    def start(self, rank: int, argv: list[str], env: dict[str, str],
+              files: dict[str, Path] | None = None) -> Node:
+        """Start the node's command from its working dir, after `files` ({path there: local file})
+        were copied into it."""
+        self.ship(rank, files or {})
+        env = {**self.node_env(rank, env), **self.disk_env(rank),
+               "DSTACK_WORKING_DIR": str(self.workflow_dir(rank)), MARKER_VAR: self.id}
         node = Node(rank, self.ips[rank], self.node_prefix(rank) + argv, env,
-                    self.workdir / f"node{rank}.log")
+                    self.workdir / f"node{rank}.log", cwd=self.workflow_dir(rank))
         self.nodes[rank] = node
         return node
 
+    def ns_exec_prefix(self, rank: int) -> list[str]:
+        return []
+
     def exec(self, rank: int, argv: list[str], timeout: float,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        full_env = {**base_env(), **(env or {}), MARKER_VAR: self.id}
-        return subprocess.run(self.node_prefix(rank) + argv, env=full_env, cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+        """Run `argv` as the user's machine at the end of dstack's SSH tunnel into the node (for the
+        head): on the node's network, with the host's filesystem and environment."""
+        return self._run(self.ns_exec_prefix(rank) + argv, {**base_env(), **(env or {})}, REPO_ROOT,
+                         timeout)
+
+    def run_in_node(self, rank: int, argv: list[str], timeout: float,
+                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run `argv` on the node itself: its network, /tmp, home and working dir."""
+        full_env = {**base_env(), **self.disk_env(rank), **(env or {})}
+        return self._run(self.node_prefix(rank) + argv, full_env, self.workflow_dir(rank), timeout)
+
+    def _run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float):
+        return subprocess.run(argv, env={**env, MARKER_VAR: self.id}, cwd=cwd, capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
     def stop(self) -> None:
         """Stop every process this cluster started (by PID), then remove its namespaces."""
@@ -294,7 +322,12 @@ class NetnsCluster(Cluster):
         self.bridge_ns = f"clr{self.id}br"
         self.ns = [f"clr{self.id}n{rank}" for rank in range(size)]
         self.ips = [f"10.213.{net}.{rank + 1}" for rank in range(size)]
+        # Paths every node sees as on the host (a test may add one, e.g. a stand-in image dir).
+        self.keep = image_paths()
         self._made: list[str] = []
+
+    def disk(self, rank: int) -> Path:
+        return self.workdir / f"node{rank}-disk"
 
     def _ip(self, *args: str) -> None:
         subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
@@ -317,25 +350,20 @@ class NetnsCluster(Cluster):
             self._ip("-n", self.bridge_ns, "link", "set", port, "up")
             self._ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
             self._ip("-n", ns, "link", "set", "eth0", "up")
-            (self.workdir / f"node{rank}-tmp").mkdir(exist_ok=True)
+        super().create()
 
     def node_prefix(self, rank: int) -> list[str]:
-        node_tmp = self.workdir / f"node{rank}-tmp"
-        # Private /tmp/ray (Ray's session directory) and hostname per node, like separate containers.
-        # Only /tmp/ray: the test's own interpreter may live under /tmp and must stay visible.
-        setup = 'mkdir -p /tmp/ray && mount --bind "$0" /tmp/ray && hostname "$1" && shift && exec "$@"'
+        """The node's network, plus a private mount namespace in which its own tmp and home dirs lie
+        over /tmp and the home dir, and a hostname of its own: like a separate machine."""
+        script = private_disk_script(self.own_dirs(rank), self.keep, f"node-{rank}",
+                                     self.workflow_dir(rank))
         return ["ip", "netns", "exec", self.ns[rank], "unshare", "--mount", "--uts",
-                "--propagation", "private", "sh", "-c", setup, str(node_tmp), f"node-{rank}"]
+                "--propagation", "private", "sh", "-c", script, "node-disk"]
 
     def ns_exec_prefix(self, rank: int) -> list[str]:
-        """Only the node's network, not its /tmp: for probes like `ss`."""
+        """Only the node's network, with the host's filesystem: the user's machine at the end of
+        dstack's SSH tunnel into the node, and probes like `ss`."""
         return ["ip", "netns", "exec", self.ns[rank]]
-
-    def exec(self, rank, argv, timeout, env=None):
-        full_env = {**base_env(), **(env or {}), MARKER_VAR: self.id}
-        return subprocess.run(self.ns_exec_prefix(rank) + argv, env=full_env, cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
 
     def _extra_pids(self) -> list[int]:
         pids = []
@@ -360,7 +388,8 @@ def free_port() -> int:
 class LoopbackCluster(Cluster):
     """Stand-in where namespaces are unavailable: nodes share the host's network, each on its own
     127.0.0.x address, with ports picked free (other Ray clusters may hold the defaults on this
-    machine) and its own Ray temp dir."""
+    machine). Each node's own disk is only pointed at through its environment (HOME, the caches,
+    TMPDIR, Ray's temp dir) and its working dir: the filesystem itself, /tmp included, is shared."""
 
     kind = "loopback"
 
@@ -369,15 +398,26 @@ class LoopbackCluster(Cluster):
         self.ips = [f"127.0.0.{11 + rank}" for rank in range(size)]
         self.ray_port = free_port()
         self.dashboard_port = free_port()
-        # Short: Ray's unix sockets live under it and AF_UNIX paths stop at 107 bytes.
+        # The nodes' disks. Short: Ray's unix sockets live under them and AF_UNIX paths stop at 107
+        # bytes.
         self.ray_root = Path(tempfile.mkdtemp(prefix="clr-", dir="/tmp"))
+
+    def disk(self, rank: int) -> Path:
+        return self.ray_root / f"n{rank}"
 
     def _remove(self) -> None:
         shutil.rmtree(self.ray_root, ignore_errors=True)
 
+    def disk_env(self, rank: int) -> dict[str, str]:
+        home = self.disk(rank) / "home"
+        return {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"),
+                "HF_HOME": str(home / ".cache" / "huggingface"),
+                "CLOUDRL_CACHE": str(home / ".cache" / "cloudrl"),
+                "TMPDIR": str(self.disk(rank) / "tmp")}
+
     def node_env(self, rank: int, env: dict[str, str]) -> dict[str, str]:
-        ray_tmp = self.ray_root / f"n{rank}"
-        ray_tmp.mkdir(exist_ok=True)
+        ray_tmp = self.disk(rank) / "tmp" / "ray"  # where /tmp/ray is on a node of its own
+        ray_tmp.mkdir(parents=True, exist_ok=True)
         args = [f"--temp-dir={ray_tmp}", f"--dashboard-agent-listen-port={free_port()}",
                 f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
                 f"--dashboard-agent-grpc-port={free_port()}"]

@@ -10,13 +10,19 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 
 class Probe:
     """Stands in for any role's worker: reports its node and the GPUs it may use, nothing else."""
 
     def __init__(self, *args, rank: int = 0, world_size: int = 1, **kwargs):
-        self.rank, self.kwargs = rank, kwargs
+        from cloudrl.trainer.staging import NodePaths, on_this_node
+
+        # A staged model path is reported as the directory it names on this worker's node.
+        self.rank = rank
+        self.kwargs = {k: on_this_node(v) if isinstance(v, NodePaths) else v for k, v in kwargs.items()}
 
     def where(self) -> dict:
         import ray
@@ -41,11 +47,15 @@ def main() -> None:
     from cloudrl.trainer.group import WORKER_CLASSES, launch_roles
 
     ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR")
+    # Probes load nothing, but the models are still staged on every node first: a stand-in directory.
+    model = tempfile.mkdtemp(prefix="probe-model-")
+    Path(model, "config.json").write_text("{}")
     layouts = []
     for argv in json.loads(sys.argv[1]):
         preset, overrides = argv[1], argv[2:]
         cfg = load_config(preset, overrides)
-        roles = launch_roles(cfg, "unused", "unused", classes={role: Probe for role in WORKER_CLASSES})
+        cfg.reward.model_path = model if cfg.reward.model_path else ""
+        roles = launch_roles(cfg, model, model, classes={role: Probe for role in WORKER_CLASSES})
         try:
             layouts.append({g.name: g.where() for g in roles.groups()})
         finally:

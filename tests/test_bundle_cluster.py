@@ -2,8 +2,9 @@
 
 tests/bundle_netns.py plays dstack's runner: every node runs `commands` read from
 tasks/ray-cluster.dstack.yml with the DSTACK_* environment of its rank, inside its own network
-namespace (or, where namespaces are unavailable, on its own 127.0.0.x address). Ray runs for real;
-only GPUs are simulated (`DSTACK_GPUS_PER_NODE=8` becomes `ray start --num-gpus=8`).
+namespace (or, where namespaces are unavailable, on its own 127.0.0.x address), on a disk of its own
+(its /tmp, home and working dir). Ray runs for real; only GPUs are simulated
+(`DSTACK_GPUS_PER_NODE=8` becomes `ray start --num-gpus=8`).
 """
 
 from __future__ import annotations
@@ -20,19 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from bundle_netns import (
+from bundle_netns import Cluster, LoopbackCluster, NetnsCluster, free_port, netns_unavailable_reason
+from dstack_runner import (
     REPO_ROOT,
-    Cluster,
-    LoopbackCluster,
-    NetnsCluster,
     base_env,
     check_shipped_files,
     dstack_env,
-    free_port,
     load_task,
-    netns_unavailable_reason,
     node_argv,
     nodes_num,
+    shipped_files,
     task_env,
 )
 
@@ -97,12 +95,13 @@ def new_cluster(kind: str, size: int, workdir: Path) -> Cluster:
 
 def start_node(cluster: Cluster, task: dict, rank: int, num_nodes: int | None = None, **knobs: str):
     """Start the node of `rank` as dstack would for a run of `num_nodes` nodes (default: the
-    cluster's size) on the cluster's addresses: the task with its `nodes:` set to that number."""
+    cluster's size) on the cluster's addresses: the task with its `nodes:` set to that number, its
+    `files:` (read as tasks/ray-cluster.dstack.yml's) copied into the node's working dir."""
     ips = cluster.ips[: num_nodes or cluster.size]
     task = {**task, "nodes": len(ips)}
     env = {**base_env(), **task_env(task, LOCAL_ENV), **TEST_KNOBS, **knobs,
            **dstack_env(rank, ips, GPUS_PER_NODE)}
-    return cluster.start(rank, node_argv(task, rank), env)
+    return cluster.start(rank, node_argv(task, rank), env, files=shipped_files(TASK_PATH, task))
 
 
 def client_env(cluster: Cluster) -> dict[str, str]:
@@ -162,18 +161,9 @@ def test_both_nodes_run_in_the_foreground(two_nodes):
     assert f"joining as worker {two_nodes.ips[1]}" in worker_log
 
 
-def test_job_submitted_to_the_head_dashboard_runs_on_a_worker(two_nodes):
-    # From inside the head's namespace: dstack's SSH tunnel ends inside the head's container.
-    driver = (
-        "import ray\n"
-        "from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On\n"
-        "ray.init()\n"
-        "head = ray.get_runtime_context().get_node_id()\n"
-        "workers = [n['NodeID'] for n in ray.nodes() if n['Alive'] and n['NodeID'] != head]\n"
-        "where = ray.remote(num_cpus=1)(lambda: ray.util.get_node_ip_address())\n"
-        "ips = ray.get([where.options(scheduling_strategy=On(w, soft=False)).remote() for w in workers])\n"
-        "print('task ran on', *ips)\n"
-    )
+def run_job(cluster: Cluster, driver: str, *args: str) -> str:
+    """Submit `python -c driver args` to the head's dashboard from the user's machine (inside the
+    head's network namespace: dstack's SSH tunnel ends inside the head's container); its log."""
     client = (
         "import sys, time\n"
         "from ray.job_submission import JobSubmissionClient\n"
@@ -186,13 +176,58 @@ def test_job_submitted_to_the_head_dashboard_runs_on_a_worker(two_nodes):
         "print('status', client.get_job_status(job))\n"
         "print(client.get_job_logs(job))\n"
     )
-    url = f"http://127.0.0.1:{dashboard_port(two_nodes)}"
-    entrypoint = f"python -c {shlex.quote(driver)}"
-    result = two_nodes.exec(0, [sys.executable, "-c", client, url, entrypoint], timeout=200,
-                            env=client_env(two_nodes))
+    url = f"http://127.0.0.1:{dashboard_port(cluster)}"
+    entrypoint = shlex.join(["python", "-c", driver, *args])
+    result = cluster.exec(0, [sys.executable, "-c", client, url, entrypoint], timeout=200,
+                          env=client_env(cluster))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "status SUCCEEDED" in result.stdout, result.stdout
-    assert f"task ran on {two_nodes.ips[1]}" in result.stdout, result.stdout
+    return result.stdout
+
+
+# A job's driver: `on_workers(f)` runs `f` once on every worker node and returns the results.
+ON_WORKERS = (
+    "import os, sys, ray\n"
+    "from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On\n"
+    "ray.init()\n"
+    "head = ray.get_runtime_context().get_node_id()\n"
+    "workers = [n['NodeID'] for n in ray.nodes() if n['Alive'] and n['NodeID'] != head]\n"
+    "def on_workers(f):\n"
+    "    f = ray.remote(num_cpus=1)(f)\n"
+    "    return ray.get([f.options(scheduling_strategy=On(w, soft=False)).remote() for w in workers])\n"
+)
+
+
+def test_job_submitted_to_the_head_dashboard_runs_on_a_worker(two_nodes):
+    driver = ON_WORKERS + "print('task ran on', *on_workers(lambda: ray.util.get_node_ip_address()))\n"
+    assert f"task ran on {two_nodes.ips[1]}" in run_job(two_nodes, driver)
+
+
+def test_each_node_runs_ray_from_a_disk_of_its_own(two_nodes):
+    for rank in range(2):
+        # Ray's session dir (the node's raylet logs there) is in the node's own /tmp, and the node
+        # ran the bootstrap that dstack shipped into its working dir.
+        assert list(two_nodes.node_path(rank, "/tmp/ray").glob("session_2*/logs/raylet.out"))
+        assert two_nodes.node_path(rank, "tasks/ray-bootstrap.sh").read_text() == BOOTSTRAP.read_text()
+
+
+def test_a_task_on_node_1_sees_neither_node_0s_home_nor_the_users_machine(two_nodes, tmp_path):
+    # A model directory that exists only on the user's machine, and a file only in node 0's home.
+    on_host = tmp_path / "model"
+    on_host.mkdir()
+    two_nodes.node_path(0, "~/only-on-node-0").write_text("node 0's")
+    driver = ON_WORKERS + (
+        "model = sys.argv[1]  # a global: the worker's sys.argv is its own\n"
+        "def seen():\n"
+        "    return os.path.exists(os.path.expanduser('~/only-on-node-0')), os.path.isdir(model)\n"
+        "print('head sees', *seen())\n"
+        "print('node 1 sees', *on_workers(seen)[0])\n"
+    )
+    log = run_job(two_nodes, driver, str(on_host))
+    # The loopback stand-in's nodes share the host's filesystem: only their homes are their own.
+    on_host_seen = isinstance(two_nodes, LoopbackCluster)
+    assert f"head sees True {on_host_seen}" in log, log
+    assert f"node 1 sees False {on_host_seen}" in log, log
 
 
 def test_dashboard_listens_on_loopback_only(two_nodes):

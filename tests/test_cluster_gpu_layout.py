@@ -25,7 +25,7 @@ from conftest import REPO, local_cluster, run_trainer
 
 pytestmark = pytest.mark.ray
 
-TINY = ["model.path=builtin:tiny", "data.train_files=builtin:arithmetic", "reward.function=arithmetic",
+TINY = ["model.path=builtin:tiny", "data.train_files=builtin:arithmetic", "data.val_files=", "reward.function=arithmetic",
         "data.max_prompt_length=64", "rollout.max_new_tokens=4", "trainer.loggers=[jsonl]"]
 
 

@@ -3,9 +3,9 @@
     rollout -> rewards -> reference log-probs and values -> advantages -> update actor and critic
     -> push the new weights to the rollout engines -> log
 
-`train(cfg)` first runs every check that needs no cluster (model, data, reward function, run
-directory), then joins the Ray cluster (or starts a local one), checks the cluster can hold the
-config, starts the roles, and always shuts them down again.
+`train(cfg)` first runs every check that needs no cluster (inputs.py: run directory, checkpoint,
+model, data, reward function), then joins the Ray cluster (or starts a local one), starts the roles and
+always shuts them down again; a worker's expected failure ends the run with its own one line.
 """
 
 from __future__ import annotations
@@ -22,78 +22,35 @@ from . import ppo_math as pm
 from .batch import Batch, build_batch, split_batch, split_evenly, update_shards
 from .cluster import connect
 from .config import Config
-from .data import PromptLoader, PromptRecord, load_prompts
-from .metrics import MetricsLogger, Timer, combine, format_summary
-from .models import load_tokenizer, quiet_transformers, resolve_path
+from .data import PromptLoader, PromptRecord
+from .inputs import Inputs, prepare
+from .metrics import MetricsLogger, Timer, combine, format_summary, print_sample
 from .rewards import resolve_reward_fn, score_responses
 from .rollout import SamplingSettings
-from .waiting import get_all
-
-
-@dataclass
-class Inputs:
-    """Everything checked and loaded before any Ray actor starts."""
-
-    model_path: str
-    critic_path: str
-    tokenizer: object
-    train: list[PromptRecord]
-    val: list[PromptRecord]
-
-
-def prepare(cfg: Config) -> Inputs:
-    """The checks that need no cluster: they fail in seconds with one line each."""
-    quiet_transformers()
-    checkpoint.check_writable(cfg.trainer.run_dir)
-    resolve_reward_fn(cfg.reward.function)
-    if cfg.rollout.engine == "vllm":
-        from .vllm_engine import check_vllm_available
-
-        check_vllm_available()
-    model_path = resolve_path(cfg.model.path, cfg)
-    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    critic_path = resolve_path(cfg.critic.model_path, cfg) if cfg.critic.model_path else model_path
-    d = cfg.data
-    common = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, data_cfg=d, seed=cfg.trainer.seed)
-    train_records = load_prompts(d.train_files, tokenizer, split="train", **common)
-    val_files = d.val_files or ("builtin:arithmetic" if d.train_files == "builtin:arithmetic" else "")
-    val_records = load_prompts(val_files, tokenizer, split="val", **common) if val_files else []
-    return Inputs(model_path, critic_path, tokenizer, train_records, val_records)
+from .run_dir import record_start
+from .waiting import get_all, worker_errors
 
 
 def train(cfg: Config) -> dict:
     """Run the whole training job and return its summary."""
     from .group import launch_roles
-    from .placement import plan
 
     inputs = prepare(cfg)
     print("cloudrl trainer, resolved config:\n" + cfg.to_yaml(), flush=True)
-    run_dir = Path(cfg.trainer.run_dir)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    started_ray = connect(cfg, sum(r.total("CPU") for r in plan(cfg)))
+    started_ray = connect(cfg)
     try:
-        roles = launch_roles(cfg, inputs.model_path, inputs.critic_path)
-        try:
-            record_placement(roles, run_dir)
-            return Trainer(cfg, roles, inputs).fit()
-        finally:
-            roles.shutdown()
+        with worker_errors():  # a worker's expected failure ends the run with its own line
+            roles = launch_roles(cfg, inputs.model_path, inputs.critic_path)
+            try:
+                record_start(cfg, roles)
+                return Trainer(cfg, roles, inputs).fit()
+            finally:
+                roles.shutdown()
     finally:
         if started_ray:
             import ray
 
             ray.shutdown()
-
-
-def record_placement(roles, run_dir: Path) -> None:
-    """Where every worker runs: printed once and saved as run_dir/placement.json."""
-    where = {g.name: g.where() for g in roles.groups()}
-    (run_dir / "placement.json").write_text(json.dumps(where, indent=1))
-    for name, workers in where.items():
-        nodes = sorted({w["node_id"][:8] for w in workers})
-        print(f"placement: {name}: {len(workers)} worker(s) on node(s) {', '.join(nodes)}", flush=True)
-    if roles.rollout_in_actor:
-        print("placement: rollout: inside the actor's workers (placement.rollout_in_actor)", flush=True)
 
 
 @dataclass
@@ -181,6 +138,8 @@ class Trainer:
             # ---- 2. Rewards.
             with timer("reward"):
                 scores = self.score([c.token_ids for c in completions], records)
+            print_sample(self.step, records[0].prompt_text,
+                         self.tokenizer.decode(completions[0].token_ids, skip_special_tokens=True), float(scores[0]))
 
             # ---- 3. Log-probs of the sampling policy, the reference, and the critic's values.
             mask = batch["response_mask"]
@@ -338,7 +297,8 @@ class Trainer:
         import ray
 
         if self.reward_fn is not None:  # reward.in_driver: rule-based rewards, scored right here
-            _texts, values = score_responses(self.reward_fn, self.tokenizer, responses, records)
+            _texts, values = score_responses(self.reward_fn, self.tokenizer, responses, records,
+                                             self.cfg.reward.function)
             return torch.tensor(values, dtype=torch.float32)
         workers = self.roles.reward.workers
         parts = zip(workers, split_evenly(responses, len(workers)), split_evenly(records, len(workers)))
@@ -385,8 +345,7 @@ class Trainer:
     def validate(self) -> dict:
         records = self.inputs.val
         settings = SamplingSettings.from_config(self.cfg.rollout, seed=0, greedy=True)
-        scores = []
-        size = self.cfg.data.val_batch_size
+        scores, size = [], self.cfg.data.val_batch_size
         for start in range(0, len(records), size):
             chunk = records[start:start + size]
             completions = self.generate([r.prompt_ids for r in chunk], settings)
@@ -408,36 +367,34 @@ class Trainer:
     def maybe_resume(self) -> None:
         import ray
 
-        path = checkpoint.resolve_resume(self.cfg.trainer.run_dir, self.cfg.trainer.resume)
-        if path is None:
+        if (ckpt := self.inputs.resume) is None:
             return
-        parts, state = checkpoint.load(path, ["actor", "critic"])
         refs = []
         for group, name in ((self.roles.actor, "actor"), (self.roles.critic, "critic")):
-            if group is not None and name in parts:
-                part = ray.put(parts[name])
+            if group is not None and name in ckpt.parts:
+                part = ray.put(ckpt.parts[name])
                 refs += [w.set_state.remote(part) for w in group.workers]
         ray.get(refs)
-        self.step = state["step"]
-        self.loader.load_state_dict(state["data"])
-        self.kl_ctl.load_state_dict(state["kl"])
-        self.history = History(**state["history"])
+        checkpoint.set_rng_state(ckpt.rng)
+        self.step = ckpt.state["step"]
+        self.loader.load_state_dict(ckpt.state["data"])
+        self.kl_ctl.load_state_dict(ckpt.state["kl"])
+        self.history = History(**ckpt.state["history"])
         self.history.resumed_from = self.step
         self.sync_weights()
-        print(f"resumed from {path} at step {self.step}", flush=True)
+        print(f"resumed from {ckpt.path} at step {self.step}", flush=True)
 
     def finish(self, last_ckpt: Path | None) -> dict:
         import ray
 
-        cfg, h = self.cfg, self.history
-        export = None
-        if cfg.trainer.export_hf:
-            export = str(Path(cfg.trainer.run_dir).resolve() / "hf_model")
+        cfg, h, run_dir = self.cfg, self.history, Path(self.cfg.trainer.run_dir).resolve()
+        export = str(run_dir / "hf_model") if cfg.trainer.export_hf else None
+        if export:
             ray.get([w.export_hf.remote(export) for w in self.roles.actor.workers])
         summary = {"steps": self.step, "resumed_from": h.resumed_from, "val_reward_before_rl": h.val_before,
                    "val_reward_after_rl": h.val_last, "rollout_reward_first": h.first_reward,
                    "rollout_reward_last": h.last_reward, "checkpoint": str(last_ckpt) if last_ckpt else None,
-                   "exported_model": export, "metrics": str(Path(cfg.trainer.run_dir).resolve() / "metrics.jsonl")}
-        (Path(cfg.trainer.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+                   "exported_model": export, "metrics": str(run_dir / "metrics.jsonl")}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(format_summary(summary), flush=True)
         return summary

@@ -177,19 +177,29 @@ def plan_slots(cfg, request: RoleRequest, host_gpus: list[list[str]] | None = No
     return slots
 
 
+def placement_nodes(pgs) -> list[str]:
+    """The ids of the nodes the placement groups' bundles were placed on."""
+    from ray.util import placement_group_table
+
+    return sorted({node for pg in pgs for node in placement_group_table(pg)["bundles_to_node_id"].values()})
+
+
 def launch_roles(cfg, model_path: str, critic_path: str, classes: dict | None = None) -> Roles:
     """Check the cluster, create the placement groups and start every role's workers.
 
     `classes` maps role names to worker classes (tests pass light probes to check placement alone)."""
+    from .models import resolve_path
+    from .staging import stage_models
+
     classes = {**WORKER_CLASSES, **(classes or {})}
     requests = preflight(cfg)
     cfg_dict = cfg.to_dict()
     timeout = cfg.trainer.worker_timeout_s
-    args = {"actor": (cfg_dict, model_path), "critic": (cfg_dict, critic_path), "reference": (cfg_dict, model_path),
-            "reward": (cfg_dict, model_path), "rollout": (cfg_dict, model_path)}
-    kwargs = {"actor": {"with_reference": reference_in_actor(cfg)}}
+    reward_model_path = resolve_path(cfg.reward.model_path, cfg) if cfg.reward.model_path else None
     pgs: dict[str, object] = {}
     groups: dict[str, ActorGroup] = {}
+    args: dict[str, tuple] = {}
+    kwargs: dict[str, dict] = {}
 
     def start(role: str, pg, slots: list[Slot]) -> ActorGroup:
         assert len(slots) == worker_count(cfg, role), role
@@ -199,6 +209,15 @@ def launch_roles(cfg, model_path: str, critic_path: str, classes: dict | None = 
     try:
         for req in requests:
             pgs[req.role] = create_placement_group(req, cfg.placement.timeout_s)
+        # Every node the groups landed on gets the models before any worker loads them.
+        paths = [model_path, critic_path] + ([reward_model_path] if reward_model_path else [])
+        staged = stage_models(paths, placement_nodes(pgs.values()), timeout)
+        model, critic = staged[model_path], staged[critic_path]
+        args = {"actor": (cfg_dict, model), "critic": (cfg_dict, critic), "reference": (cfg_dict, model),
+                "reward": (cfg_dict, model), "rollout": (cfg_dict, model)}
+        kwargs = {"actor": {"with_reference": reference_in_actor(cfg)}}
+        if reward_model_path:
+            kwargs["reward"] = {"reward_model_path": staged[reward_model_path]}
         for req in requests:  # hosts first: the guests run on the GPUs Ray gave them
             start(req.role, pgs[req.role], plan_slots(cfg, req)[req.role])
         for req in requests:

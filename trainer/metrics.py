@@ -118,6 +118,16 @@ def combine(results: list[dict]) -> dict:
     return {k: sums[k] / weights[k] if weights[k] else float("nan") for k in sums}
 
 
+SAMPLE_EVERY = 50
+
+
+def print_sample(step: int, prompt: str, response: str, reward: float) -> None:
+    """On step 1 and every SAMPLE_EVERY steps after, one sampled prompt, its response and its reward,
+    so the job log shows what the model is asked and says, not only averages."""
+    if step % SAMPLE_EVERY == 1 or SAMPLE_EVERY == 1:
+        print(f"sample: prompt {prompt[-200:]!r} -> response {response[:200]!r}, reward {reward:.4g}", flush=True)
+
+
 def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 

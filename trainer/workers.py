@@ -13,26 +13,62 @@ What they share (forward passes, process group, sharding, optimizer step) is in 
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
 from . import ppo_math as pm
 from .batch import Batch, from_wire, to_wire
+from .errors import TrainerError
+from .staging import NodePaths, on_this_node
 from .worker_base import (Accumulator, TrainableWorker, UpdateResult, WorkerBase, forward_logprobs,
                           forward_values, to_device)
 
 
+def reports_load_errors(cls):
+    """A worker that cannot start (a model that cannot load, a reward file missing on its node) ends the
+    run with one line naming its role, rank and node. Inside a Ray actor the error is kept and raised by
+    the worker's first call, `where()` (launch_roles waits on it for every worker): raised from the
+    constructor, Ray would print its traceback into the job's log and hand back only its text."""
+    init, where = cls.__init__, cls.where
+
+    @functools.wraps(init)
+    def __init__(self, cfg_dict: dict, model_path, *args, rank: int = 0, **kwargs):
+        self.start_error = None
+        try:
+            init(self, cfg_dict, model_path, *args, rank=rank, **kwargs)
+        except TrainerError as exc:
+            try:
+                import ray
+            except ImportError:  # built in-process where Ray is not installed (bench/gpu_smoke.py on a GPU image)
+                raise exc from None
+            error = type(exc)(f"{self.role} rank {rank} on node {ray.util.get_node_ip_address()}: {exc}")
+            if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
+                raise error from exc  # built directly (tests, benchmarks), not as an actor
+            self.start_error = error
+
+    @functools.wraps(where)
+    def checked_where(self) -> dict:
+        if self.start_error is not None:
+            raise self.start_error
+        return where(self)
+
+    cls.__init__, cls.where = __init__, checked_where
+    return cls
+
+
+@reports_load_errors
 class PolicyWorker(TrainableWorker):
     role = "actor"
 
-    def __init__(self, cfg_dict: dict, model_path: str, rank: int = 0, world_size: int = 1,
+    def __init__(self, cfg_dict: dict, model_path: str | NodePaths, rank: int = 0, world_size: int = 1,
                  with_reference: bool = False):
         super().__init__(cfg_dict, rank, world_size)
         from .models import load_causal_lm, load_tokenizer
 
         cfg = self.cfg
-        self.model_path = model_path
+        self.model_path = model_path = on_this_node(model_path)
         self.model = load_causal_lm(model_path, "float32", cfg.model.trust_remote_code)  # master weights
         self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
         self.reference = self.engine = None
@@ -176,13 +212,15 @@ class PolicyWorker(TrainableWorker):
         return path
 
 
+@reports_load_errors
 class CriticWorker(TrainableWorker):
     role = "critic"
 
-    def __init__(self, cfg_dict: dict, model_path: str, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg_dict: dict, model_path: str | NodePaths, rank: int = 0, world_size: int = 1):
         super().__init__(cfg_dict, rank, world_size)
         from .models import load_value_model
 
+        model_path = on_this_node(model_path)
         self.model = load_value_model(model_path, "float32", self.cfg.model.trust_remote_code)  # master weights
 
     @torch.no_grad()  # not inference_mode: see PolicyWorker.logprobs
@@ -217,11 +255,15 @@ class CriticWorker(TrainableWorker):
         return UpdateResult(acc.result())
 
 
+@reports_load_errors
 class ReferenceWorker(WorkerBase):
-    def __init__(self, cfg_dict: dict, model_path: str, rank: int = 0, world_size: int = 1):
+    role = "reference"
+
+    def __init__(self, cfg_dict: dict, model_path: str | NodePaths, rank: int = 0, world_size: int = 1):
         super().__init__(cfg_dict, rank, world_size)
         from .models import load_causal_lm
 
+        model_path = on_this_node(model_path)
         self.model = load_causal_lm(model_path, self.cfg.model.dtype, self.cfg.model.trust_remote_code)
         self.model.to(self.device).eval().requires_grad_(False)
 
@@ -231,17 +273,21 @@ class ReferenceWorker(WorkerBase):
                           for mb in batch.chunks(self.cfg.reference.micro_batch_size)])
 
 
+@reports_load_errors
 class RewardWorker(WorkerBase):
-    def __init__(self, cfg_dict: dict, model_path: str, rank: int = 0, world_size: int = 1):
+    role = "reward"
+
+    def __init__(self, cfg_dict: dict, model_path: str | NodePaths, rank: int = 0, world_size: int = 1,
+                 reward_model_path: str | NodePaths | None = None):
         super().__init__(cfg_dict, rank, world_size)
-        from .models import load_reward_model, load_tokenizer, resolve_path
+        from .models import load_reward_model, load_tokenizer
         from .rewards import resolve_reward_fn
 
-        self.tokenizer = load_tokenizer(model_path, self.cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(on_this_node(model_path), self.cfg.model.trust_remote_code)
         self.fn = resolve_reward_fn(self.cfg.reward.function)
         self.reward_model = self.rm_tokenizer = None
-        if self.cfg.reward.model_path:
-            rm_path = resolve_path(self.cfg.reward.model_path, self.cfg)
+        if reward_model_path is not None:
+            rm_path = on_this_node(reward_model_path)
             self.reward_model = load_reward_model(rm_path, self.cfg.model.dtype).to(self.device).eval()
             self.rm_tokenizer = load_tokenizer(rm_path)
             self.rm_tokenizer.padding_side = "right"
@@ -250,7 +296,7 @@ class RewardWorker(WorkerBase):
         """Scores [N] for the responses to `records` (one PromptRecord per response)."""
         from .rewards import score_responses
 
-        texts, values = score_responses(self.fn, self.tokenizer, responses, records)
+        texts, values = score_responses(self.fn, self.tokenizer, responses, records, self.cfg.reward.function)
         scores = torch.tensor(values, dtype=torch.float32)
         if self.reward_model is not None:
             scores += self.cfg.reward.model_weight * self._model_scores([r.prompt_text for r in records], texts)
@@ -267,10 +313,14 @@ class RewardWorker(WorkerBase):
         return torch.cat(out)
 
 
+@reports_load_errors
 class RolloutWorker(WorkerBase):
-    def __init__(self, cfg_dict: dict, model_path: str, rank: int = 0, world_size: int = 1):
+    role = "rollout"
+
+    def __init__(self, cfg_dict: dict, model_path: str | NodePaths, rank: int = 0, world_size: int = 1):
         super().__init__(cfg_dict, rank, world_size)
         cfg = self.cfg
+        model_path = on_this_node(model_path)
         if cfg.rollout.engine == "vllm":  # vLLM is imported only where an engine is built
             from .vllm_engine import VLLMEngine
 

@@ -1,0 +1,298 @@
+"""What `cloudrl submit` ships with the job: the local files the config names, and your own code.
+
+Everything goes in one zip that Ray unpacks on every node of the job as its working directory (the
+runtime env's `working_dir`): the driver starts in it and every worker runs in it, so a relative path
+in the config means on the cluster what it meant here. The upload's layout:
+
+- a file or directory the config names that lies under the current directory keeps its relative path;
+- one outside it goes to `_external/<n>/<name>`, and the config is rewritten to point there;
+- `--workdir DIR` puts DIR's whole tree at the top (your package: importable by the driver and workers).
+
+Named by the config: `reward.function=FILE.py:fn` (or `module:fn` where `module.py` / `module/` is here),
+the local entries of `data.train_files` / `data.val_files` (files, or `hf:` directories saved with
+`save_to_disk`), and local model directories (`model.path`, `critic.model_path`, `reward.model_path`). A
+relative path that does not exist here is an error; an absolute one is taken as a path on the cluster
+(a volume) and left alone. Never shipped: `.git`, `__pycache__`, `.venv`, `*.pyc`, and the patterns in
+DIR's `.gitignore` and `.cloudrlignore`. The zip must stay under the Ray dashboard's upload limit.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CloudrlError
+
+UPLOAD_LIMIT_BYTES = 100 * 1024**2
+"""The Ray dashboard refuses request bodies over 100 MiB, and a job's package is one request."""
+ALWAYS_IGNORED = [".git/", "__pycache__/", ".venv/", "venv/", "*.pyc", ".cloudrl/", ".ipynb_checkpoints/"]
+IGNORE_FILES = (".gitignore", ".cloudrlignore")
+MODEL_KEYS = ("model.path", "critic.model_path", "reward.model_path")
+DATA_KEYS = ("data.train_files", "data.val_files")
+
+
+@dataclass
+class Upload:
+    """The files of a job's working directory, and the overrides that point the config at them."""
+
+    files: dict[str, Path] = field(default_factory=dict)
+    """Path inside the upload -> file on this machine."""
+    rewrites: dict[str, str] = field(default_factory=dict)
+    """Config key -> its new value (only keys whose files moved)."""
+    cluster_paths: list[str] = field(default_factory=list)
+    """`key: path` of absolute paths not on this machine: read on the cluster."""
+    pip: list[str] = field(default_factory=list)
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{key}={value}" for key, value in self.rewrites.items()]
+
+    def size(self) -> int:
+        return sum(path.stat().st_size for path in self.files.values())
+
+    def listing(self, zipped_bytes: int | None = None) -> str:
+        """What --dry-run prints: every file with its size, then the totals."""
+        lines = [f"  {_human(src.stat().st_size):>10}  {dest}" for dest, src in sorted(self.files.items())]
+        total = f"  {_human(self.size()):>10}  total, {len(self.files)} file(s)"
+        if zipped_bytes is not None:
+            total += f"; {_human(zipped_bytes)} zipped (limit {_human(UPLOAD_LIMIT_BYTES)})"
+        return "\n".join(lines + [total])
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding what the config names
+# ----------------------------------------------------------------------------------------------
+
+
+def plan_upload(cfg: Any, cwd: Path, workdir: Path | None = None, requirements: Path | None = None,
+                pip: list[str] | None = None) -> Upload:
+    """Every local file `cfg` names (and `workdir`'s tree), where each lands, and the config rewrites."""
+    upload = Upload()
+    if workdir is not None:
+        if not workdir.is_dir():
+            raise CloudrlError(f"--workdir {workdir}: not a directory here: give the directory of your own code")
+        for dest, src in walk(workdir).items():
+            upload.files[dest] = src
+    external = _External(upload, cwd)
+    _reward(cfg, cwd, external)
+    for key in DATA_KEYS:
+        value = _get(cfg, key)
+        if value:
+            entries = [_data_entry(key, entry.strip(), cwd, external) for entry in value.split(",") if entry.strip()]
+            if ",".join(entries) != ",".join(e.strip() for e in value.split(",") if e.strip()):
+                upload.rewrites[key] = ",".join(entries)
+    for key in MODEL_KEYS:
+        value = _get(cfg, key)
+        if value and not value.startswith("builtin:"):
+            new = _model_entry(key, value, cwd, external)
+            if new != value:
+                upload.rewrites[key] = new
+    upload.pip = read_requirements(requirements) + list(pip or [])
+    return upload
+
+
+class _External:
+    """Adds files to the upload: under their cwd-relative path, or under _external/<n>/ if outside cwd."""
+
+    def __init__(self, upload: Upload, cwd: Path):
+        self.upload, self.cwd, self.count = upload, cwd.resolve(), 0
+
+    def add(self, path: Path) -> str:
+        """Ship `path` (file or directory); returns the path the config should use on the cluster."""
+        real = path.resolve()
+        try:
+            dest = real.relative_to(self.cwd).as_posix()
+        except ValueError:
+            self.count += 1
+            dest = f"_external/{self.count}/{real.name}"
+        if real.is_dir():
+            for inner, src in walk(real).items():
+                self.upload.files[f"{dest}/{inner}"] = src
+        else:
+            self.upload.files[dest] = real
+        return dest
+
+
+def _get(cfg: Any, key: str) -> str:
+    section, name = key.split(".")
+    return str(getattr(getattr(cfg, section), name) or "")
+
+
+def _local(key: str, value: str, cwd: Path) -> Path | None:
+    """`value` as a path on this machine; None for an absolute path that is not here (a cluster path)."""
+    path = Path(value).expanduser()
+    full = path if path.is_absolute() else cwd / path
+    if full.exists():
+        return full
+    if path.is_absolute():
+        return None
+    raise CloudrlError(f"{key}: {value} not found (relative to {cwd}): fix the path; a file that exists only on "
+                       f"the cluster must be given as an absolute path (e.g. /checkpoints/...)")
+
+
+def _reward(cfg: Any, cwd: Path, external: _External) -> None:
+    spec = cfg.reward.function.strip()
+    if ":" not in spec:
+        return  # a built-in reward
+    location, _, fn = spec.rpartition(":")
+    if location.endswith(".py"):
+        local = _local("reward.function", location, cwd)
+        if local is None:
+            external.upload.cluster_paths.append(f"reward.function: {location}")
+            return
+        dest = external.add(local)
+        if dest != location:
+            external.upload.rewrites["reward.function"] = f"{dest}:{fn}"
+        return
+    # module:fn — ship the top-level module if it is a file or package here; else it is installed.
+    top = location.split(".")[0]
+    for candidate in (cwd / f"{top}.py", cwd / top):
+        if candidate.is_file() or (candidate / "__init__.py").is_file():
+            external.add(candidate)
+            return
+
+
+def _data_entry(key: str, entry: str, cwd: Path, external: _External) -> str:
+    if entry.startswith("builtin:"):
+        return entry
+    if entry.startswith("hf:"):
+        return _dataset_entry(key, entry, cwd, external)
+    local = _local(key, entry, cwd)
+    if local is None:
+        external.upload.cluster_paths.append(f"{key}: {entry}")
+        return entry
+    return external.add(local)
+
+
+def _dataset_entry(key: str, entry: str, cwd: Path, external: _External) -> str:
+    """An `hf:` entry: a local directory (save_to_disk, or data files) ships; a hub id stays."""
+    from cloudrl.trainer.errors import DataError
+    from cloudrl.trainer.hub_data import parse_ref
+
+    try:
+        ref = parse_ref(entry[3:], key)
+    except DataError as exc:
+        raise CloudrlError(str(exc)) from None
+    path = Path(ref.name).expanduser()
+    full = path if path.is_absolute() else cwd / path
+    if not full.is_dir():
+        if path.is_absolute():
+            external.upload.cluster_paths.append(f"{key}: {entry}")
+        elif ref.name.startswith((".", "~")):
+            raise CloudrlError(f"{key}: {ref.name} not found (relative to {cwd}): fix the path")
+        return entry  # a hub id
+    config = f":{ref.config}" if ref.config else ""
+    split = f"@{ref.split}" if ref.split else ""
+    return f"hf:./{external.add(full)}{config}{split}"
+
+
+def _model_entry(key: str, value: str, cwd: Path, external: _External) -> str:
+    path = Path(value).expanduser()
+    full = path if path.is_absolute() else cwd / path
+    if full.is_dir():
+        return external.add(full)
+    if path.is_absolute() or value.startswith((".", "~")):
+        if not path.is_absolute():
+            raise CloudrlError(f"{key}: {value} not found (relative to {cwd}): fix the path")
+        external.upload.cluster_paths.append(f"{key}: {value}")
+    return value  # a hub id, or a path on the cluster
+
+
+def read_requirements(path: Path | None) -> list[str]:
+    """The requirement lines of a requirements file (comments and blank lines dropped)."""
+    if path is None:
+        return []
+    if not path.is_file():
+        raise CloudrlError(f"--requirements {path}: no such file here: give a requirements.txt path")
+    lines = [line.split("#", 1)[0].strip() for line in path.read_text(errors="replace").splitlines()]
+    for line in lines:
+        if line.startswith(("-r", "-c", "--requirement", "--constraint")):
+            raise CloudrlError(f"--requirements {path}: nested requirement files ({line!r}) are not shipped: "
+                               f"list the packages in this file")
+    return [line for line in lines if line]
+
+
+# ----------------------------------------------------------------------------------------------
+# Ignore rules and walking a directory
+# ----------------------------------------------------------------------------------------------
+
+
+def ignore_patterns(root: Path) -> list[str]:
+    patterns = list(ALWAYS_IGNORED)
+    for name in IGNORE_FILES:
+        file = root / name
+        if file.is_file():
+            patterns += [line.strip() for line in file.read_text(errors="replace").splitlines()
+                         if line.strip() and not line.lstrip().startswith("#")]
+    return patterns
+
+
+def ignored(rel: str, is_dir: bool, patterns: list[str]) -> bool:
+    """gitignore-style: `name` matches at any depth, `/x` only at the top, `dir/` only directories,
+    `!pattern` re-includes; the last matching pattern wins."""
+    result = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern[1:] if negate else pattern
+        if pattern.endswith("/"):
+            if not is_dir:
+                continue
+            pattern = pattern.rstrip("/")
+        anchored = "/" in pattern
+        pattern = pattern.lstrip("/")
+        if anchored:
+            hit = fnmatch.fnmatchcase(rel, pattern) or fnmatch.fnmatchcase(rel, pattern.replace("**/", ""))
+        else:
+            hit = fnmatch.fnmatchcase(rel.rsplit("/", 1)[-1], pattern)
+        if hit:
+            result = not negate
+    return result
+
+
+def walk(root: Path) -> dict[str, Path]:
+    """Relative path -> file, for every file under root that the ignore rules keep."""
+    patterns = ignore_patterns(root)
+    files: dict[str, Path] = {}
+    for current, dirs, names in os.walk(root, followlinks=False):
+        base = Path(current).relative_to(root).as_posix()
+        prefix = "" if base == "." else base + "/"
+        dirs[:] = sorted(d for d in dirs if not ignored(prefix + d, True, patterns))
+        for name in sorted(names):
+            rel = prefix + name
+            path = Path(current) / name
+            if not ignored(rel, False, patterns) and path.is_file():
+                files[rel] = path
+    return files
+
+
+# ----------------------------------------------------------------------------------------------
+# The zip
+# ----------------------------------------------------------------------------------------------
+
+
+def write_zip(upload: Upload, target: Path) -> int:
+    """Write the upload as a zip at `target`; returns its size, or raises if over the limit."""
+    with zipfile.ZipFile(target, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        for dest, src in sorted(upload.files.items()):
+            zf.write(src, dest)
+    size = target.stat().st_size
+    if size >= UPLOAD_LIMIT_BYTES:
+        biggest = sorted(upload.files.items(), key=lambda item: -item[1].stat().st_size)[:3]
+        names = ", ".join(f"{dest} ({_human(src.stat().st_size)})" for dest, src in biggest)
+        raise CloudrlError(
+            f"the job's files are {_human(size)} zipped, over Ray's {_human(UPLOAD_LIMIT_BYTES)} upload limit "
+            f"(largest: {names}): put large files on a volume or bucket the cluster mounts and give their "
+            f"absolute path, or list them in .cloudrlignore; nothing was submitted")
+    return size
+
+
+def _human(size: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
