@@ -168,10 +168,11 @@ def _submit(sub: Any, cfg: Any, req: Any, env_values: dict, files: tuple, addres
     files_zip, zipped = files
     if local:
         from . import local_cluster
+        from .local_state import running_dashboard_url
 
         if address:
             raise CloudrlError("pass either --local or --address, not both")
-        if local_cluster.running_dashboard_url() is None:
+        if running_dashboard_url() is None:
             typer.echo("no local cluster is running: starting one (as `cloudrl local up` would)")
             state = local_cluster.up(echo=typer.echo)
             typer.echo(f"local cluster up: {state['num_nodes']} node(s) x {state['cpus_per_node']} CPUs, "

@@ -16,7 +16,6 @@ listen on the machine's interfaces as with any `ray start` (without token authen
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -30,9 +29,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .errors import CloudrlError
+from .local_state import cache_dir, load_state, save_state, state_path
 from .node_processes import alive, spawn, stop_node
+from .ray_api import Address, Dashboard
 
-STATE_NAME = "local-cluster.json"
 DEFAULT_DASHBOARD_PORT = 8265
 NODE_PORTS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
               "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
@@ -47,45 +47,6 @@ HEAD_MB = 1200
 """What the head node adds: GCS, dashboard and its modules (~1.1 GB measured)."""
 
 Echo = Callable[[str], None]
-
-
-# ----------------------------------------------------------------------------------------------
-# State
-# ----------------------------------------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CLOUDRL_CACHE") or Path.home() / ".cache" / "cloudrl")
-
-
-def state_path() -> Path:
-    return cache_dir() / STATE_NAME
-
-
-def load_state() -> dict[str, Any] | None:
-    path = state_path()
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        raise CloudrlError(f"{path} is not readable JSON: stop any Ray processes it named by hand, then delete it") from None
-
-
-def _save_state(state: dict[str, Any]) -> None:
-    path = state_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    tmp.replace(path)
-
-
-def running_dashboard_url() -> str | None:
-    """The dashboard URL of the local cluster if its head process is still alive."""
-    state = load_state()
-    if state and state.get("nodes") and alive(state["nodes"][0]) and state.get("dashboard_url"):
-        return state["dashboard_url"]
-    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,7 +154,7 @@ def _start(nodes: int, cpus_per_node: int | None, gpus_per_node: int | None, obj
         with _sigint_deferred():
             root = tempfile.mkdtemp(prefix="cloudrl-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
             state["root"] = root
-            _save_state(state)
+            save_state(state)
         dash = _pick_dashboard_port(dashboard_port, echo)
         ports = _free_ports(len(HEAD_PORTS) + len(NODE_PORTS) * nodes, exclude={dash})
         head_ports = dict(zip(HEAD_PORTS, ports[: len(HEAD_PORTS)]))
@@ -215,7 +176,7 @@ def _start(nodes: int, cpus_per_node: int | None, gpus_per_node: int | None, obj
             args += [f"--{k}={v}" for k, v in node_ports.items()]
             with _sigint_deferred():
                 state["nodes"].append(spawn(args, Path(root) / f"n{i}.log", _node_env()))
-                _save_state(state)
+                save_state(state)
             if i == 0:  # workers join a head whose GCS answers; the dashboard comes up right after it
                 _wait_for(lambda: _dashboard_answers(url), state, timeout_s, "the head's dashboard to answer")
         _wait_for(lambda: _alive_nodes(url) >= nodes, state, timeout_s, f"{nodes} nodes to join")
@@ -313,8 +274,6 @@ def _dashboard_answers(url: str) -> bool:
 
 
 def _alive_nodes(url: str) -> int:
-    from .ray_api import Address, Dashboard
-
     try:
         return len(Dashboard(Address(url, "local")).alive_nodes())
     except CloudrlError:  # the state API starts a little after the dashboard itself

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 from .errors import CloudrlError
+from .local_state import running_dashboard_url
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 CONNECT_TIMEOUT_S = 3.0
@@ -54,8 +55,6 @@ def resolve_address(address: str | None, local: bool = False) -> Address:
     if local:
         if address:
             raise CloudrlError("pass either --local or --address, not both")
-        from .local_cluster import running_dashboard_url
-
         url = running_dashboard_url()
         if url is None:
             raise CloudrlError("no local cluster is running: start one with `cloudrl local up`")

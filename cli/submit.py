@@ -3,7 +3,8 @@
 Order matters: everything that can fail is checked before anything is uploaded, so a failed submit
 leaves nothing on the cluster. Offline first (the config, the --env names), then the cluster in a few
 seconds (its dashboard answers, its Ray version equals ours, its alive nodes hold what the config
-asks for), then the upload and the job.
+asks for), then the upload and the job. A connection lost while the job is being created is the one
+failure that can leave a job: `submit` looks for it and removes it, or says it could not.
 
 The cluster has no cloudrl installed: the installed `cloudrl.trainer` package is copied into a temp
 `cloudrl/` directory and sent as a runtime-env `py_modules` entry, which Ray unpacks on each node
@@ -178,8 +179,8 @@ def pack_upload(req: JobRequest, tmp: Path) -> tuple[Path | None, int | None]:
 
 
 def submit(dash: Dashboard, req: JobRequest, env_values: dict[str, str], files_zip: Path | None = None) -> str:
-    """Upload the trainer (and the job's files) and create the job; on any failure after the request
-    left, remove the job."""
+    """Upload the trainer (and the job's files) and create the job. When the connection fails (or Ctrl+C
+    comes) after the request left, the job may exist anyway: it is removed, or the error says it may not be."""
     import requests
 
     client = dash.jobs
@@ -195,24 +196,51 @@ def submit(dash: Dashboard, req: JobRequest, env_values: dict[str, str], files_z
                                    f"pick another --name") from None
             raise CloudrlError(f"the cluster refused the job: {str(exc).strip().splitlines()[0]}") from None
         except (requests.exceptions.RequestException, KeyboardInterrupt) as exc:
-            # The request may have reached the cluster before the connection broke: leave no job.
-            _remove_job(client, req.submission_id)
+            # The request may have reached the cluster before the connection broke: the job can exist
+            # although we never saw its id come back. Look for it and remove it before saying anything.
+            removed = _remove_job(client, req.submission_id)
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            raise CloudrlError(f"submitting to {dash.address.url} failed ({type(exc).__name__}); "
-                               f"no job was left behind: check the connection and submit again") from None
+            failed = f"submitting to {dash.address.url} failed ({type(exc).__name__})"
+            if removed:
+                raise CloudrlError(f"{failed}; no job was left behind: check the connection and submit again") from None
+            flag = dash.address.flag
+            raise CloudrlError(f"{failed}, and whether job {req.submission_id!r} was created could not be confirmed: "
+                               f"run `cloudrl list{flag}` and `cloudrl stop {req.submission_id}{flag}`") from None
 
 
-def _remove_job(client: Any, submission_id: str) -> None:
+REMOVE_TIMEOUT_S = 30.0
+"""How long a failed submit waits, after stopping the job it may have created, for that job to end;
+past it, the error says the removal could not be confirmed rather than wait on."""
+
+
+def _remove_job(client: Any, submission_id: str) -> bool:
+    """Whether `submission_id` is confirmed absent from the cluster: it never existed, or it was stopped,
+    reached a terminal state and was deleted. False when the cluster cannot tell us (or will not stop it)."""
     try:
-        client.stop_job(submission_id)
-        for _ in range(20):
-            if client.get_job_status(submission_id).is_terminal():
-                client.delete_job(submission_id)
-                return
+        if not _job_exists(client, submission_id):
+            return True
+        client.stop_job(submission_id)  # False (not an error) when it has already ended
+        deadline = time.monotonic() + REMOVE_TIMEOUT_S
+        while not client.get_job_status(submission_id).is_terminal():
+            if time.monotonic() > deadline:
+                return False
             time.sleep(0.5)
-    except Exception:  # the job was never created, or the cluster is gone with it
-        pass
+        client.delete_job(submission_id)
+        return not _job_exists(client, submission_id)
+    except Exception:  # the cluster went away mid-way (or answered something unexpected): unconfirmed
+        return False
+
+
+def _job_exists(client: Any, submission_id: str) -> bool:
+    """Ask the Jobs API for the job; raises when the cluster does not answer, so unknown is never "no"."""
+    try:
+        client.get_job_info(submission_id)
+    except RuntimeError as exc:  # Ray's client turns every HTTP error status into this
+        if "status code 404" in str(exc):
+            return False
+        raise
+    return True
 
 
 def next_steps(address: Address, job_id: str) -> str:

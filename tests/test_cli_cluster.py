@@ -36,6 +36,7 @@ from cli_helpers import (
     version_faking_proxy,
     wait_for_job_status,
 )
+from cloudrl.cli import local_cluster
 from cloudrl.cli import submit as submit_module
 from cloudrl.cli.app import app
 
@@ -92,6 +93,22 @@ def test_local_up_joined_two_nodes(cluster: Cluster) -> None:
     assert "already running" in again.stderr and "cloudrl local down" in again.stderr
 
 
+@pytest.mark.parametrize(("cores", "nodes", "expected"), [
+    (2, 2, 2),  # the cores split: 1 each, raised to the floor of 2
+    (6, 2, 3),
+    (16, 2, 8),
+    (64, 2, 32),
+    (64, 3, 21),  # a remainder core stays unassigned
+    (2, 1, 4),  # a lone node still holds the local preset's 4 CPUs
+])
+def test_default_cpus_per_node_splits_the_cores(cores: int, nodes: int, expected: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule the follow test below relies on, on machines other than this one (no cluster started)."""
+    assert local_cluster.local_preset_cpus() == 4  # the last row's floor
+    monkeypatch.setattr(local_cluster.os, "cpu_count", lambda: cores)
+    assert local_cluster.default_cpus_per_node(nodes) == expected
+
+
 def test_submit_follow_status_logs_list(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLOUDRL_TEST_TOKEN", "value-that-must-not-be-printed")
     run_dir = tmp_path / "run"
@@ -100,7 +117,9 @@ def test_submit_follow_status_logs_list(cluster: Cluster, tmp_path: Path, monkey
                      *SHORT_RUN, f"trainer.run_dir={run_dir}"])
     out = result.output
     assert result.exit_code == 0, out
-    assert "cluster ok: Ray 2.60.0, 2 nodes with no GPU, 2 CPUs" in out
+    # `local up` ran on this machine, so its nodes got this machine's default (see the rule's own test).
+    cpus = local_cluster.default_cpus_per_node(2)
+    assert f"cluster ok: Ray 2.60.0, 2 nodes with no GPU, {cpus} CPUs" in out
     assert f"submitted {job} to {cluster.url}" in out
     assert f"dashboard:   {cluster.url}/#/jobs/{job}" in out
     assert f"cloudrl logs {job} --follow --address {cluster.url}" in out

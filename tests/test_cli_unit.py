@@ -194,3 +194,33 @@ def test_console_script_prints_red_line_and_exits_1(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: no Ray dashboard")
+
+
+def test_no_import_cycle_among_cli_modules() -> None:
+    """Every cloudrl.cli module imports, and none reaches itself through imports of its siblings: the
+    ones inside functions count too, since a circle there still ties two modules' jobs together."""
+    import ast
+    import graphlib
+    import importlib
+
+    import cloudrl.cli
+
+    cli_dir = Path(cloudrl.cli.__file__).parent
+    modules = {p.stem for p in cli_dir.glob("*.py")} - {"__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in sorted(modules):
+        importlib.import_module(f"cloudrl.cli.{name}")
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse((cli_dir / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import y / from . import x
+                imported |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cloudrl.cli"):
+                rest = node.module.removeprefix("cloudrl.cli").lstrip(".")
+                imported |= {rest.split(".")[0]} if rest else {a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[2] for a in node.names if a.name.startswith("cloudrl.cli.")}
+        graph[name] = (imported & modules) - {name}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import cycle among cloudrl.cli modules: {' -> '.join(exc.args[1])}")

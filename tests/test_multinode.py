@@ -50,6 +50,16 @@ def test_two_workers_match_one_on_the_same_global_batch(ray_local, fsdp):
     import ray
     from ray.util import remove_placement_group
 
+    def full_params(worker) -> dict:
+        """Runs inside a policy worker (defined here so Ray ships it by value): its full parameters.
+        `weights()` hands them to rank 0 only; gathering without CPU offload gives every rank the full
+        tensors. Under FSDP it is a collective: call it on all ranks at once."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = (get_model_state_dict(worker.model, options=StateDictOptions(full_state_dict=True))
+                 if worker.sharded else worker.model.state_dict())
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
+
     overrides = ["actor.mini_batch_size=16", "actor.micro_batch_size=4", "actor.lr=1e-3", "data.train_batch_size=8",
                  "rollout.n=4", "model.sft_warmup_steps=20", "critic.mini_batch_size=16", "critic.micro_batch_size=4",
                  f"actor.fsdp={str(fsdp).lower()}"]
@@ -70,6 +80,13 @@ def test_two_workers_match_one_on_the_same_global_batch(ray_local, fsdp):
             # Gathering the full state is a collective under FSDP: every rank takes part, rank 0 returns it.
             results[world] = {k: from_wire(v) for k, v in ray.get([w.weights.remote() for w in group.workers])[0]}
             assert before.shape[0] == 32 * world  # each rank scored the whole batch
+            # Every rank holds the same parameters after the update: ranks whose gradients were not
+            # averaged (or whose optimizer stepped differently) would each follow their own shard.
+            ranks = ray.get([w.__ray_call__.remote(full_params) for w in group.workers])
+            for rank, params in enumerate(ranks[1:], start=1):
+                assert params.keys() == ranks[0].keys()
+                for name, value in ranks[0].items():
+                    torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-7, msg=f"rank {rank}: {name}")
         finally:
             group.kill()
             remove_placement_group(pg)

@@ -1,0 +1,52 @@
+"""Where the `cloudrl local` cluster's state file lives, and what it says.
+
+Its own module because both sides read it: `local_cluster` writes it as nodes start and stop, and
+`ray_api` reads the dashboard URL from it for --local, while `local_cluster` talks to that dashboard
+through `ray_api`. Kept here, neither of those two imports the other back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import CloudrlError
+from .node_processes import alive
+
+STATE_NAME = "local-cluster.json"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CLOUDRL_CACHE") or Path.home() / ".cache" / "cloudrl")
+
+
+def state_path() -> Path:
+    return cache_dir() / STATE_NAME
+
+
+def load_state() -> dict[str, Any] | None:
+    path = state_path()
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise CloudrlError(f"{path} is not readable JSON: stop any Ray processes it named by hand, then delete it") from None
+
+
+def save_state(state: dict[str, Any]) -> None:
+    path = state_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(path)
+
+
+def running_dashboard_url() -> str | None:
+    """The dashboard URL of the local cluster if its head process is still alive."""
+    state = load_state()
+    if state and state.get("nodes") and alive(state["nodes"][0]) and state.get("dashboard_url"):
+        return state["dashboard_url"]
+    return None
