@@ -106,9 +106,42 @@ def stop_on_exit(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
                 proc.wait(10)
 
 
+@contextlib.contextmanager
+def cli_cluster(cache: Path, nodes: int) -> Iterator[tuple[dict[str, str], subprocess.CompletedProcess]]:
+    """`cloudrl local up --nodes N` with its own state dir; yields the CLI's env and the `up` result.
+    Always `local down` afterwards, then kills by PID whatever `down` left."""
+    env = cli_env(cache)
+    pids: list[int] = []
+    try:
+        up = run_cli(["local", "up", "--nodes", str(nodes), "--timeout", "150"], env, timeout=200)
+        state = local_state(cache)
+        if state:
+            pids = [p for node in state["nodes"] for p in process_tree(node["pid"])]
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield env, up
+    finally:
+        run_cli(["local", "down"], env, timeout=120)
+        for pid in pids_alive(pids):  # never leave a process behind, even when `down` is broken
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
 # ----------------------------------------------------------------------------------------------
 # Fake edges
 # ----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serve(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 in a thread, running `handler`; yields its URL, stopped on exit."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 @contextlib.contextmanager
@@ -135,15 +168,8 @@ def version_faking_proxy(upstream: str, fake_version: str) -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serve(Handler) as url:
+        yield url
 
 
 @contextlib.contextmanager

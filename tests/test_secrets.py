@@ -8,14 +8,13 @@ the run wrote is searched for them, and so is every output of submit, status, lo
 
 from __future__ import annotations
 
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from cli_helpers import SHORT_RUN, cli_env, local_state, pids_alive, process_tree, run_cli
+from cli_helpers import SHORT_RUN, cli_cluster, run_cli
 
 pytestmark = pytest.mark.ray
 
@@ -23,20 +22,8 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """The environment of `cloudrl` commands that reach a running local cluster with --local."""
-    cache = tmp_path_factory.mktemp("cloudrl-cache")
-    env = cli_env(cache)
-    pids: list[int] = []
-    try:
-        up = run_cli(["local", "up", "--nodes", "1", "--timeout", "150"], env, timeout=200)
-        state = local_state(cache)
-        if state:
-            pids = [p for node in state["nodes"] for p in process_tree(node["pid"])]
-        assert up.returncode == 0, up.stdout + up.stderr
+    with cli_cluster(tmp_path_factory.mktemp("cloudrl-cache"), nodes=1) as (env, _up):
         yield env
-    finally:
-        run_cli(["local", "down"], env, timeout=120)
-        for pid in pids_alive(pids):  # never leave a process behind, even when `down` is broken
-            subprocess.run(["kill", "-9", str(pid)], check=False)
 
 
 def files_holding(root: Path, secrets: dict[str, bytes]) -> list[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -18,7 +17,7 @@ import pytest
 import requests
 import typer.testing
 
-from cli_helpers import SHORT_RUN
+from cli_helpers import SHORT_RUN, serve
 from cloudrl.cli.app import app
 from conftest import local_cluster
 
@@ -60,15 +59,8 @@ def reply_dropping_proxy(upstream: str, refuse_after: bool) -> Iterator[tuple[st
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serve(Handler) as url:
+        yield url, seen
 
 
 def job_ids(url: str) -> list[str]:
