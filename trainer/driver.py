@@ -138,8 +138,8 @@ class Trainer:
             # ---- 2. Rewards.
             with timer("reward"):
                 scores = self.score([c.token_ids for c in completions], records)
-            print_sample(self.step, records[0].prompt_text,
-                         self.tokenizer.decode(completions[0].token_ids, skip_special_tokens=True), float(scores[0]))
+            print_sample(self.step, records[0].prompt_text, self.tokenizer, completions[0].token_ids,
+                         float(scores[0]))
 
             # ---- 3. Log-probs of the sampling policy, the reference, and the critic's values.
             mask = batch["response_mask"]
