@@ -11,11 +11,12 @@ torch, the same transformers as this interpreter, trl (pinned below) and cloudrl
 Each round runs, one after the other and each in its own process tree, for every thread count
 (--threads, default: the CPU count, which is TRL's default, then 1):
 1. cloudrl: `python -m cloudrl.trainer --preset local algorithm.name=grpo ...` on a local Ray instance,
-   in three layouts (--layouts): `lean` (the actor worker generates with the policy it trains and
+   in four layouts (--layouts): `lean` (the actor worker generates with the policy it trains and
    the driver scores the rule reward, as TRL's single process does both), `actor` (the same with a
-   reward worker) and `workers` (a separate rollout worker that receives the weights every step, and
-   a reward worker). Every computing worker reserves that many CPUs, so torch uses that many
-   threads. Step times from run_dir/metrics.jsonl (`time` of each row, and `timing/step`).
+   reward worker), `workers` (a separate rollout worker that receives the weights every step, and
+   a reward worker) and `async` (`workers` with rollout.policy_lag=1: the worker generates the next
+   batch while the actor trains). Every computing worker reserves that many CPUs, so torch uses that
+   many threads; in `async` the actor and the engine, which run at once, split them. Step times from run_dir/metrics.jsonl (`time` of each row, and `timing/step`).
 2. TRL: bench/_trl_worker.py with the venv's Python, GRPOTrainer on the same model directory and
    prompts, torch limited to that many threads; step times from a TrainerCallback (on_step_end
    times, and on_step_begin -> on_step_end).
@@ -231,13 +232,18 @@ def merge(runs: list[dict]) -> dict:
     return out
 
 
-# cloudrl's three layouts. Ray gives each worker as many torch threads as CPUs it reserves, so
+# cloudrl's layouts. Ray gives each worker as many torch threads as CPUs it reserves, so
 # `threads` sets the CPUs of every worker that computes.
 LAYOUTS = {
     "lean": ("rollout in actor, reward in driver",
              lambda t: ["placement.rollout_in_actor=true", "reward.in_driver=true", f"actor.cpus_per_worker={t}"]),
     "actor": ("rollout in actor", lambda t: ["placement.rollout_in_actor=true", f"actor.cpus_per_worker={t}"]),
     "workers": ("rollout worker", lambda t: [f"actor.cpus_per_worker={t}", f"rollout.cpus_per_engine={t}"]),
+    # The engine generates the next batch while the actor trains: the two run at once, so they split the
+    # threads (at 1 thread each still gets one, 2 in all).
+    "async": ("rollout worker, policy_lag=1",
+              lambda t: ["rollout.policy_lag=1", f"actor.cpus_per_worker={max(1, t // 2)}",
+                         f"rollout.cpus_per_engine={max(1, t - t // 2)}"]),
 }
 
 
@@ -256,11 +262,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default=f"{os.cpu_count() or 1},1",
                    help="torch thread counts to compare at, each for both sides (default: this machine's "
                         f"CPU count, which is TRL's default, and 1: {os.cpu_count() or 1},1)")
-    p.add_argument("--layouts", default="lean,actor,workers",
+    p.add_argument("--layouts", default="lean,actor,workers,async",
                    help="cloudrl layouts, any of: lean (placement.rollout_in_actor=true reward.in_driver=true: "
                         "one worker generates and trains, the driver scores, as TRL's one process does), actor "
                         "(the same with a reward worker) and workers (a separate rollout worker, weights synced "
-                        "every step, and a reward worker). Default: lean,actor,workers")
+                        "every step, and a reward worker), async (workers with rollout.policy_lag=1: the "
+                        "next batch generates while the actor trains). Default: lean,actor,workers,async")
     p.add_argument("--cloudrl-extra", default="", metavar="'KEY=VALUE ...'",
                    help="more cloudrl overrides, space separated, to try a setting")
     p.add_argument("--keep", action="store_true", help="keep the run directories and logs")

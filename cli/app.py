@@ -1,72 +1,29 @@
 """The `cloudrl` command: submit the trainer to a Ray cluster and watch it from this machine.
 
 Commands stay thin: parse, call one function of their module, print. Expected failures are
-CloudrlError; the group below prints them as one red line on stderr and exits 1 (CLOUDRL_DEBUG=1
-shows the traceback instead). Usage errors (an unknown option, a missing argument, a value click
+CloudrlError; the command group (`typer_compat.OneLineErrors`) prints them as one red line on stderr
+and exits 1 (CLOUDRL_DEBUG=1 shows the traceback instead). Usage errors (an unknown option, a missing argument, a value click
 cannot parse) are one red line too, naming the command's --help, with click's exit status 2. Ray and
 dstack are imported inside the modules' functions, so `cloudrl --help` stays fast.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional
+from typing import Annotated, Any, Optional
 
 import typer
-from typer.core import TyperGroup
 
-from .errors import CloudrlError
-
-
-class _Group(TyperGroup):
-    """Turns expected failures into one red line: exit status 1, or 2 for a usage error."""
-
-    def make_context(self, info_name: str | None, args: list[str], parent: typer.Context | None = None,
-                     **extra: Any) -> typer.Context:
-        # The top-level group parses its own options here, before `invoke` (e.g. `cloudrl --bogus`).
-        try:
-            return super().make_context(info_name, args, parent, **extra)
-        except typer.TyperException as exc:
-            _usage_error(exc, " ".join(filter(None, [parent.command_path if parent else None, info_name])))
-
-    def invoke(self, ctx: typer.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except typer.TyperException as exc:  # a sub-command's options and arguments are parsed in here
-            _usage_error(exc, " ".join(filter(None, [ctx.command_path, ctx.invoked_subcommand])))
-        except Exception as exc:
-            from cloudrl.trainer.config import ConfigError
-
-            if not isinstance(exc, (CloudrlError, ConfigError)) or os.environ.get("CLOUDRL_DEBUG"):
-                raise
-            _red_line(str(exc))
-            raise typer.Exit(1) from None
-
-
-def _usage_error(exc: typer.TyperException, command: str) -> NoReturn:
-    """Typer's usage errors (unknown option, missing argument, bad value) as one line, not its boxed panel."""
-    # NoArgsIsHelpError carries the help text that `no_args_is_help` shows; Typer tells it by name too.
-    if type(exc).__name__ == "NoArgsIsHelpError" or os.environ.get("CLOUDRL_DEBUG"):
-        raise exc
-    message = exc.format_message().strip().rstrip(".")
-    ctx = getattr(exc, "ctx", None)
-    _red_line(f"{message[:1].lower()}{message[1:]}: see `{ctx.command_path if ctx else command or 'cloudrl'} --help`")
-    raise typer.Exit(exc.exit_code)
-
-
-def _red_line(message: str) -> None:
-    typer.secho(f"error: {' '.join(message.split())}", fg=typer.colors.RED, err=True)
-
+from .typer_compat import OneLineErrors
 
 app = typer.Typer(
-    cls=_Group,
+    cls=OneLineErrors,
     no_args_is_help=True,
     help="Run cloudrl's PPO trainer on a Ray cluster (dstack, Slurm, or this machine) and watch it.",
     # Locals in a traceback could show secrets passed with --env.
     pretty_exceptions_show_locals=False,
 )
-local_app = typer.Typer(cls=_Group, no_args_is_help=True,
+local_app = typer.Typer(cls=OneLineErrors, no_args_is_help=True,
                         help="A Ray cluster on this machine (127.0.0.1), for the whole flow without a cloud.")
 app.add_typer(local_app, name="local")
 
@@ -79,22 +36,24 @@ JobArg = Annotated[str, typer.Argument(help="The job id `cloudrl submit` printed
                                        show_default=False)]
 
 
-def _dashboard(address: str | None, local: bool) -> Any:
-    from .ray_api import Dashboard, resolve_address
+def _client(address: str | None, local: bool) -> Any:
+    from .ray_api import ClusterClient, resolve_address
 
-    return Dashboard(resolve_address(address, local))
+    return ClusterClient(resolve_address(address, local))
 
 
-def _follow(dash: Any, job_id: str) -> None:
+def _follow(client: Any, job_id: str, watch: Any = None) -> None:
+    """Follow a job to its end (`watch()` instead of plain `follow` when given); exit 130 on Ctrl+C."""
     from .jobs import Detached, follow
 
     try:
-        info = follow(dash, job_id)
-    except Detached:
+        info = watch() if watch else follow(client, job_id)
+    except Detached as exc:
+        job_id = str(exc.args[0]) if exc.args else job_id
         typer.echo(f"\ndetached from {job_id}; it keeps running. Stop it with: cloudrl stop {job_id}"
-                   f"{dash.address.flag}", err=True)
+                   f"{client.address.flag}", err=True)
         raise typer.Exit(130) from None
-    typer.echo(f"job {job_id} {info.status}")
+    typer.echo(f"job {getattr(info, 'submission_id', None) or job_id} {info.status}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,8 +66,8 @@ def submit(
     overrides: Annotated[Optional[list[str]], typer.Argument(
         metavar="[KEY=VALUE]...", show_default=False,
         help="Config overrides, e.g. actor.lr=1e-6 algorithm.name=grpo (checked before anything is sent).")] = None,
-    config: Annotated[str, typer.Option(
-        "--config", "-c", help="Preset name from trainer/presets, or a path to your own YAML preset.")] = "local",
+    preset: Annotated[str, typer.Option(
+        "--preset", "-p", help="Preset name from trainer/presets, or a path to your own YAML preset.")] = "local",
     address: AddressOpt = None,
     local: Annotated[bool, typer.Option(
         "--local", help="Submit to the cluster on this machine; starts one (`cloudrl local up`) if none runs.")] = False,
@@ -133,6 +92,11 @@ def submit(
         help="A requirements.txt whose packages Ray installs for the job on every node.")] = None,
     pip: Annotated[Optional[list[str]], typer.Option(
         "--pip", show_default=False, help="A package Ray installs for the job on every node (repeatable).")] = None,
+    reconnect_wait: Annotated[float, typer.Option(
+        "--reconnect-wait", min=0, metavar="SECONDS",
+        help="With --follow: when the cluster stops answering, wait this long for it to come back, then follow "
+             "the job again or, on a restarted cluster, submit it again to continue from its latest "
+             "checkpoint (0: fail at once).")] = 1800,
 ) -> None:
     """Check the config and the cluster in seconds, then run the trainer there as a Ray job.
 
@@ -147,9 +111,9 @@ def submit(
     from .shipping import plan_upload
 
     overrides = overrides or []
-    cfg = sub.load_config(config, overrides)
+    cfg = sub.load_config(preset, overrides)
     upload = plan_upload(cfg, Path.cwd(), workdir, requirements, pip)
-    req = sub.build_request(config, overrides, name, env or [], upload)
+    req = sub.build_request(preset, overrides, name, env or [], upload)
     env_values = sub.read_env(req.env_names)
     with tempfile.TemporaryDirectory(prefix="cloudrl-files-") as tmp:
         files_zip, zipped = sub.pack_upload(req, Path(tmp))
@@ -157,37 +121,39 @@ def submit(
             where = Address("(the local cluster)", "local") if local else resolve_address(address)
             typer.echo(sub.dry_run_text(cfg, req, where, zipped), nl=False)
             return
-        _submit(sub, cfg, req, env_values, (files_zip, zipped), address, local, follow)
+        _submit(sub, cfg, req, env_values, (files_zip, zipped), address, local, follow, reconnect_wait)
+
+
+def _start_local_cluster() -> None:
+    from . import local_cluster
+
+    typer.echo("no local cluster is running: starting one (as `cloudrl local up` would)")
+    state = local_cluster.up(echo=typer.echo)
+    typer.echo(f"local cluster up: {state['num_nodes']} node(s) x {state['cpus_per_node']} CPUs, "
+               f"dashboard {state['dashboard_url']}; stop it with `cloudrl local down`")
 
 
 def _submit(sub: Any, cfg: Any, req: Any, env_values: dict, files: tuple, address: str | None, local: bool,
-            follow: bool) -> None:
-    """The cluster half of `submit`: start the local cluster if asked, preflight, send, follow."""
-    from .ray_api import Dashboard, resolve_address
+            follow: bool, reconnect_wait: float) -> None:
+    """The cluster half of `submit`: start the local cluster if asked, preflight, send, follow (through a
+    cluster restart, waiting up to `reconnect_wait` seconds for it to answer again)."""
+    from .ray_api import ClusterClient, resolve_address
 
     files_zip, zipped = files
-    if local:
-        from . import local_cluster
-        from .local_state import running_dashboard_url
-
-        if address:
-            raise CloudrlError("pass either --local or --address, not both")
-        if running_dashboard_url() is None:
-            typer.echo("no local cluster is running: starting one (as `cloudrl local up` would)")
-            state = local_cluster.up(echo=typer.echo)
-            typer.echo(f"local cluster up: {state['num_nodes']} node(s) x {state['cpus_per_node']} CPUs, "
-                       f"dashboard {state['dashboard_url']}; stop it with `cloudrl local down`")
-    dash = Dashboard(resolve_address(address, local))
-    typer.echo(sub.preflight(dash, cfg))
+    client = ClusterClient(resolve_address(address, local, start_local=_start_local_cluster))
+    typer.echo(sub.preflight(client, cfg))
     if files_zip is not None:
         typer.echo(f"shipping {len(req.upload.files)} file(s) ({zipped / 1024**2:.1f} MiB zipped) as the job's "
                    f"working directory")
-    job_id = sub.submit(dash, req, env_values, files_zip)
-    typer.echo(f"submitted {job_id} to {dash.address.url}")
-    typer.echo(sub.next_steps(dash.address, job_id))
+    job_id = sub.submit(client, req, env_values, files_zip)
+    typer.echo(f"submitted {job_id} to {client.address.url}")
+    typer.echo(sub.next_steps(client.address, job_id))
     if follow:
+        from .watch import follow_through_restarts, resubmitter
+
         typer.echo("")
-        _follow(dash, job_id)
+        resubmit = resubmitter(sub, req, env_values, files_zip)
+        _follow(client, job_id, lambda: follow_through_restarts(client, job_id, resubmit, reconnect_wait, typer.echo))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,25 +171,35 @@ def status(
     """Show a job's status and the latest training metrics it logged."""
     from .jobs import status_text
 
-    typer.echo(status_text(_dashboard(address, local), job))
+    typer.echo(status_text(_client(address, local), job))
 
 
-@app.command(epilog="Example: cloudrl logs local-20250101-120000-a1b2 --follow")
+@app.command(epilog="Examples: cloudrl logs local-20250101-120000-a1b2 --follow; cloudrl logs --node 1")
 def logs(
-    job: JobArg,
+    job: Annotated[Optional[str], typer.Argument(
+        help="The job id `cloudrl submit` printed (see `cloudrl list`).", show_default=False)] = None,
     follow: Annotated[bool, typer.Option(
         "--follow", "-f", help="Stream until the job ends; exit 0 only if it succeeded. Ctrl+C detaches.")] = False,
+    node: Annotated[Optional[str], typer.Option(
+        "--node", metavar="N", show_default=False,
+        help="Instead of a job's logs: one node's Ray worker logs. N: 0 = the head, then by IP; or an IP or node id.")] = None,
+    lines: Annotated[int, typer.Option("--lines", help="With --node: the last lines of each file.")] = 50,
+    glob: Annotated[str, typer.Option("--glob", help="With --node: which of Ray's log files.")] = "worker-*",
     address: AddressOpt = None,
     local: LocalOpt = False,
 ) -> None:
-    """Print a job's logs (its driver's stdout and stderr)."""
+    """Print a job's logs (its driver's stdout and stderr), or with --node one node's worker logs."""
     from .jobs import job_logs
+    from .node_logs import job_or_node, node_logs_text
 
-    dash = _dashboard(address, local)
-    if follow:
-        _follow(dash, job)
+    job_or_node(job, node, follow)
+    client = _client(address, local)
+    if node is not None:
+        typer.echo(node_logs_text(client, node, lines, glob), nl=False)
+    elif follow:
+        _follow(client, job)
     else:
-        typer.echo(job_logs(dash, job), nl=False)
+        typer.echo(job_logs(client, job), nl=False)
 
 
 @app.command(epilog="Example: cloudrl stop local-20250101-120000-a1b2")
@@ -231,7 +207,7 @@ def stop(job: JobArg, address: AddressOpt = None, local: LocalOpt = False) -> No
     """Stop a running job and wait until Ray reports it stopped."""
     from .jobs import stop as stop_job
 
-    typer.echo(stop_job(_dashboard(address, local), job))
+    typer.echo(stop_job(_client(address, local), job))
 
 
 @app.command("list", epilog="Example: cloudrl list --address http://127.0.0.1:8265")
@@ -239,7 +215,7 @@ def list_(address: AddressOpt = None, local: LocalOpt = False) -> None:
     """List the cluster's jobs: id, status, start, duration and preset."""
     from .jobs import list_text
 
-    typer.echo(list_text(_dashboard(address, local)))
+    typer.echo(list_text(_client(address, local)))
 
 
 # ----------------------------------------------------------------------------------------------

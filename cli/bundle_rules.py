@@ -5,11 +5,13 @@
    SSH fleets (and SSH-only keys on cloud fleets), SSH hosts without a user or key, GPU specs whose
    name or count dstack would not read as meant, `files:` that do not exist.
 3. cloudrl's own: the Ray pin of the shipped bootstrap equals cloudrl's (cli/pins.py), no dashboard on a
-   non-loopback address, no unpinned `pip install ray`, multi-node Ray tasks start the head first,
-   fleets for multi-node tasks use `placement: cluster`, fleets live in fleets/ and tasks in tasks/.
+   non-loopback address, no unpinned `pip install ray`, fleets for multi-node tasks use `placement:
+   cluster`, fleets live in fleets/ and tasks in tasks/. More of them, and the rules that compare a task
+   with its fleets, are in bundle_checks.py.
 
 Layer 1 (dstack's parser) and the command live in validate.py, which imports this module. dstack is
-imported inside the functions: `cloudrl --help` stays fast and works without it.
+reached only through dstack_compat.py, inside the functions: `cloudrl --help` stays fast and works
+without it.
 """
 
 from __future__ import annotations
@@ -22,12 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CloudrlError
+from .dstack_compat import dstack_api
 from .pins import RAY_VERSION
 
 BUNDLE_DIRS = {"fleets": "fleet", "tasks": "task"}
-# What the dstack server accepts as a run, fleet, volume or gateway name.
-RESOURCE_NAME = re.compile(r"^[a-z][a-z0-9-]{1,40}$")
 # The pin line of tasks/ray-bootstrap.sh.
 RAY_PIN = re.compile(r'^\s*CLOUDRL_RAY_VERSION=["\']?([^"\'\s]*)["\']?', re.MULTILINE)
 DASHBOARD_HOST = re.compile(r"--dashboard-host(?:=|\s+)[\"']?([^\s\"']+)")
@@ -46,37 +46,35 @@ class Problem:
     key: str
     message: str
     fix: str
+    # A warning is printed but does not fail `cloudrl validate` (something it cannot check from here).
+    warning: bool = False
 
     def __str__(self) -> str:
-        return " ".join(f"{self.path}: {self.key}: {self.message} — {self.fix}".split())  # one line, always
+        line = f"{'warning: ' if self.warning else ''}{self.path}: {self.key}: {self.message} — {self.fix}"
+        return " ".join(line.split())  # one line, always
 
 
 def dstack_models() -> dict[str, Any]:
     """The parts of dstack's configuration models the three layers read."""
-    try:
-        from dstack._internal.core.errors import ConfigurationError
-        from dstack._internal.core.models import configurations, fleets, resources
-    except ImportError:
-        raise CloudrlError("dstack is not installed: pip install 'cloudrl[dstack]' (`cloudrl validate` runs "
-                           "dstack's own configuration parser)") from None
+    api = dstack_api()
     return {
-        "parse": configurations.parse_apply_configuration,
-        "error": ConfigurationError,
-        "GPUSpec": resources.GPUSpec,
+        "parse": api.parse_apply_configuration,
+        "error": api.ConfigurationError,
+        "GPUSpec": api.GPUSpec,
         # Fields of the top level and of the nested mappings people mistype most, for "did you mean".
         "fields": {
-            "task": configurations.TaskConfiguration,
-            "fleet": fleets.FleetConfiguration,
-            "service": configurations.ServiceConfiguration,
-            "dev-environment": configurations.DevEnvironmentConfiguration,
-            "resources": resources.ResourcesSpec,
-            "groups": configurations.NodeGroup,
-            "ssh_config": fleets.SSHParams,
-            "hosts": fleets.SSHHostParams,
-            "proxy_jump": fleets.SSHProxyParams,
+            "task": api.TaskConfiguration,
+            "fleet": api.FleetConfiguration,
+            "service": api.ServiceConfiguration,
+            "dev-environment": api.DevEnvironmentConfiguration,
+            "resources": api.ResourcesSpec,
+            "groups": api.NodeGroup,
+            "ssh_config": api.SSHParams,
+            "hosts": api.SSHHostParams,
+            "proxy_jump": api.SSHProxyParams,
         },
-        "cloud_fleet_keys": set(fleets.BackendFleetConfiguraionProps.model_fields),
-        "ssh_fleet_keys": set(fleets.SSHFleetConfigurationProps.model_fields),
+        "cloud_fleet_keys": set(api.CloudFleetProps.model_fields),
+        "ssh_fleet_keys": set(api.SSHFleetProps.model_fields),
     }
 
 
@@ -86,7 +84,7 @@ def rule_problems(rel: str, data: dict, path: Path, root: Path) -> list[Problem]
     if data.get("type") == "fleet":
         checks += [_fleet_kind_rules, _ssh_rules, _placement_rules]
     if data.get("type") == "task":
-        checks += [_files_rules, _startup_order_rules, _ray_rules]
+        checks += [_files_rules, _ray_rules]
     problems = []
     for resources_key, resources in _resources(data):
         problems += _gpu_rules(rel, resources_key, resources)
@@ -115,7 +113,7 @@ def _dir_rules(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
 
 def _name_rules(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
     name = data.get("name")
-    if name is None or (isinstance(name, str) and RESOURCE_NAME.match(name)):
+    if name is None or (isinstance(name, str) and dstack_api().is_valid_resource_name(name)):
         return []
     suggestion = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")
     suggestion = re.sub(r"^[^a-z]+", "", suggestion)[:41] or "cloudrl"
@@ -280,18 +278,6 @@ def _read(path: Path) -> str:
         return ""
 
 
-def _startup_order_rules(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
-    order = data.get("startup_order")
-    if not (_is_multinode(data) and _runs_ray(data, path)) or order in ("master-first", "any"):
-        return []
-    if order is None:
-        return [Problem(rel, "startup_order", "not set, so dstack may start workers before the Ray head",
-                        "set `startup_order: master-first` (or `any` to pull images on all nodes at once; "
-                        "the bootstrap's workers retry either way)")]
-    return [Problem(rel, "startup_order", f"{order}: the Ray head starts only after every worker runs",
-                    "set `startup_order: master-first`")]
-
-
 def _placement_rules(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
     nodes = data.get("nodes")
     size = 0
@@ -336,25 +322,32 @@ def _ray_rules(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
                 problems.append(Problem(where, key, f"the Ray dashboard listens on {host}: anyone who reaches "
                                         f"the node can submit jobs", "use --dashboard-host=127.0.0.1; dstack "
                                         "forwards the port through its SSH tunnel"))
-        if where == rel:  # pins in the YAML's own commands; the bootstrap installs its pin by variable
-            problems += _unpinned_ray(rel, key, text)
+        problems += _unpinned_ray(where, key, text)
     return problems
 
 
 def _unpinned_ray(rel: str, key: str, command: str) -> list[Problem]:
+    """A Ray install (`pip`, `pip3`, `python -m pip`, `uv pip`) that is not cloudrl's pin, or that goes
+    through `pip3`, which may belong to another Python than the one that runs Ray."""
     try:
-        words = shlex.split(command)
+        words = shlex.split(command, comments=True)
     except ValueError:
         return []
     problems = []
     for i, word in enumerate(words):
-        if word != "install" or i == 0 or words[i - 1] != "pip":
+        if word != "install" or i == 0 or words[i - 1] not in ("pip", "pip3"):
             continue
         for requirement in words[i + 1:]:
-            if requirement in ("&&", ";", "|"):
+            if requirement in ("&&", ";", "|", "||") or requirement.endswith(";"):
                 break
             match = re.match(r"^([A-Za-z0-9._-]+)(\[[^\]]*\])?(.*)$", requirement)
-            if match and match.group(1).lower() == "ray" and match.group(3) != f"=={RAY_VERSION}":
+            if not match or match.group(1).lower() != "ray":
+                continue
+            if match.group(3) != f"=={RAY_VERSION}":
                 problems.append(Problem(rel, key, f"installs {requirement!r}, not cloudrl's Ray {RAY_VERSION}",
                                         f"pin it: 'ray[default]=={RAY_VERSION}'"))
+            elif words[i - 1] == "pip3" and (i < 2 or words[i - 2] != "-m"):
+                problems.append(Problem(rel, key, "installs Ray with `pip3`, which may belong to another Python "
+                                        "than the one that runs `ray start`",
+                                        "use `python3 -m pip install` with the interpreter that starts Ray"))
     return problems

@@ -23,9 +23,9 @@ from typing import Callable
 
 from .errors import CloudrlError
 from .local_cluster import port_free
-from .ray_api import Address, Dashboard, check_port
+from .pins import DASHBOARD_PORT
+from .ray_api import Address, ClusterClient, check_port
 
-DASHBOARD_PORT = 8265
 TASK_FILE = Path("tasks") / "ray-cluster.dstack.yml"
 SSH_READY_TIMEOUT_S = 30.0
 SSH_READY_TIMEOUT_TTY_S = 120.0  # time to type a password or passphrase
@@ -85,7 +85,9 @@ def pick_local_port(wanted: int | None) -> int:
 def forward_dstack(run_name: str | None, port: int | None, remote_port: int = DASHBOARD_PORT) -> Forward:
     try:
         import dstack.api as dstack_api
-        from dstack._internal.core.models.configurations import PortMapping
+
+        from .dstack_compat import NAMES, resolve
+        PortMapping = resolve(*NAMES["PortMapping"])
     except ImportError:
         raise CloudrlError("dstack is not installed here: pip install 'cloudrl[dstack]', "
                            "or use `cloudrl dashboard --ssh HOST`") from None
@@ -171,7 +173,7 @@ def forward_ssh(host: str, port: int | None, remote_port: int = DASHBOARD_PORT,
         errors.close()
 
     url = f"http://127.0.0.1:{local}"
-    probe = Dashboard(Address(url, "--address"))
+    probe = ClusterClient(Address(url, "--address"))
     deadline = time.monotonic() + (SSH_READY_TIMEOUT_TTY_S if interactive else SSH_READY_TIMEOUT_S)
     last = "no answer yet"
     while True:
@@ -202,7 +204,7 @@ def forward_ssh(host: str, port: int | None, remote_port: int = DASHBOARD_PORT,
 
 def describe(forward: Forward, what: str) -> str:
     try:
-        version = f"Ray {Dashboard(Address(forward.url, '--address')).ray_version()}"
+        version = f"Ray {ClusterClient(Address(forward.url, '--address')).ray_version()}"
     except CloudrlError:
         version = "the dashboard does not answer yet; the cluster may still be starting"
     lines = [f"Ray dashboard of {what}: {forward.url}  ({version})"]

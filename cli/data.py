@@ -59,7 +59,7 @@ def write_dataset(name: str, out: str | Path, source: str | None) -> list[Writte
 
 
 def next_command(name: str, written: list[Written]) -> str:
-    """The submit command that trains on the written files (the default preset; add --config for yours)."""
+    """The submit command that trains on the written files (the default preset; add --preset for yours)."""
     files = {w.split: w.path for w in written}
     val = f" data.val_files={files['test']}" if "test" in files else ""
     return f"cloudrl submit data.train_files={files['train']}{val} reward.function={_recipe(name).reward}"
@@ -127,7 +127,7 @@ def _arithmetic_rows(source: str | None, split: str) -> list[dict]:
     if source:
         raise CloudrlError("the arithmetic task is generated, not read: drop --source")
     from cloudrl.trainer.config import DataConfig
-    from cloudrl.trainer.data import arithmetic_problems
+    from cloudrl.trainer.demo import arithmetic_problems
 
     # train: the trainer's default draws (seed 0); test: its validation set, every pair once.
     pairs = arithmetic_problems(DataConfig(), "val" if split == "test" else "train", seed=0)

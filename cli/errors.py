@@ -1,5 +1,19 @@
-"""The one exception type for failures a user can fix; the CLI prints its message as one red line."""
+"""The one exception type for failures a user can fix; the CLI prints its message as one red line.
+
+It extends the trainer's base error, so the CLI's handler catches one class for both: its own
+failures, and the trainer's (a config key, a missing file) raised while a command checks a config.
+"""
+
+from cloudrl.trainer.errors import TrainerError
 
 
-class CloudrlError(Exception):
+class CloudrlError(TrainerError):
     """An expected failure: the message says what went wrong and the command or flag that fixes it."""
+
+
+class ClusterUnreachable(CloudrlError):
+    """Nothing (or no Ray dashboard) answers at the cluster's address."""
+
+
+class NoSuchJob(CloudrlError):
+    """The cluster answers but has no job with that id."""

@@ -1,6 +1,6 @@
 """`cloudrl status / logs / stop / list`, and the log follower `submit --follow` shares.
 
-All through Ray's Jobs API Python client (`Dashboard.jobs`), never the `ray` CLI. The trainer prints
+All through Ray's Jobs API Python client (`ClusterClient.jobs`), never the `ray` CLI. The trainer prints
 one progress line per step (`step 3/40 | rollout/reward_mean=0.53 ... | 1.23 s/step`) and a block
 starting with `summary:` at the end; `status` shows the latest of those from the job's logs.
 """
@@ -13,8 +13,10 @@ import sys
 import time
 from typing import Any, Callable
 
+from cloudrl.trainer.errors import first_line
+
 from .errors import CloudrlError
-from .ray_api import Dashboard
+from .ray_api import ClusterClient
 
 STEP_RE = re.compile(r"^step \d+/\d+\b[^|]*\|")
 # The last line of a Python traceback: `cloudrl.trainer.errors.RewardError: ...`, `KeyError: 'x'`.
@@ -36,16 +38,16 @@ class Detached(Exception):
 # ----------------------------------------------------------------------------------------------
 
 
-def job_info(dash: Dashboard, job_id: str) -> Any:
-    return dash.call(lambda: dash.jobs.get_job_info(job_id), what=f"read job {job_id}", job_id=job_id)
+def job_info(client: ClusterClient, job_id: str) -> Any:
+    return client.call(lambda: client.jobs.get_job_info(job_id), what=f"read job {job_id}", job_id=job_id)
 
 
-def job_logs(dash: Dashboard, job_id: str) -> str:
-    return dash.call(lambda: dash.jobs.get_job_logs(job_id), what=f"read the logs of {job_id}", job_id=job_id)
+def job_logs(client: ClusterClient, job_id: str) -> str:
+    return client.call(lambda: client.jobs.get_job_logs(job_id), what=f"read the logs of {job_id}", job_id=job_id)
 
 
-def list_jobs(dash: Dashboard) -> list[Any]:
-    jobs = dash.call(lambda: dash.jobs.list_jobs(), what="list jobs")
+def list_jobs(client: ClusterClient) -> list[Any]:
+    jobs = client.call(lambda: client.jobs.list_jobs(), what="list jobs")
     return sorted(jobs, key=lambda j: j.start_time or 0)
 
 
@@ -54,10 +56,10 @@ def job_name(info: Any) -> str:
     return info.submission_id or info.job_id or "?"
 
 
-def latest_job(dash: Dashboard) -> Any:
-    submitted = [j for j in list_jobs(dash) if j.submission_id]
+def latest_job(client: ClusterClient) -> Any:
+    submitted = [j for j in list_jobs(client) if j.submission_id]
     if not submitted:
-        raise CloudrlError(f"no jobs on {dash.address.url} yet: submit one with `cloudrl submit`")
+        raise CloudrlError(f"no jobs on {client.address.url} yet: submit one with `cloudrl submit`")
     return submitted[-1]
 
 
@@ -109,8 +111,8 @@ def _preset(info: Any) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def status_text(dash: Dashboard, job_id: str | None) -> str:
-    info = job_info(dash, job_id) if job_id else latest_job(dash)
+def status_text(client: ClusterClient, job_id: str | None) -> str:
+    info = job_info(client, job_id) if job_id else latest_job(client)
     name = job_name(info)
     lines = [
         f"job:       {name}",
@@ -118,77 +120,77 @@ def status_text(dash: Dashboard, job_id: str | None) -> str:
         f"preset:    {_preset(info)}",
         f"started:   {_fmt_time(info.start_time)} ({_fmt_duration(info)}"
         + (" so far)" if not info.status.is_terminal() else ")"),
-        f"dashboard: {dash.address.job_url(name)}",
+        f"dashboard: {client.address.job_url(name)}",
     ]
     try:
-        logs = job_logs(dash, name)
+        logs = job_logs(client, name)
     except CloudrlError:  # drivers started without `submit` have no job logs
         logs = None
     step, summary = latest_metrics(logs) if logs is not None else ("no logs for this job", [])
     lines.append(f"latest:    {step}" if step else "latest:    no step finished yet")
     lines += summary
     if not info.status.is_terminal():
-        lines.append(f"follow:    cloudrl logs {name} --follow{dash.address.flag}")
+        lines.append(f"follow:    cloudrl logs {name} --follow{client.address.flag}")
     elif info.status == "FAILED":  # last, the job's own one-line reason
         lines.append(f"error:     {failure_reason(info, logs or '').removeprefix('error: ')}")
     return "\n".join(lines)
 
 
-def list_text(dash: Dashboard) -> str:
-    jobs = list_jobs(dash)
+def list_text(client: ClusterClient) -> str:
+    jobs = list_jobs(client)
     if not jobs:
-        return f"no jobs on {dash.address.url} yet: submit one with `cloudrl submit`"
+        return f"no jobs on {client.address.url} yet: submit one with `cloudrl submit`"
     rows = [("ID", "STATUS", "START", "DURATION", "PRESET")]
     rows += [(job_name(j), str(j.status), _fmt_time(j.start_time), _fmt_duration(j), _preset(j)) for j in jobs]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows).rstrip()
 
 
-def stop(dash: Dashboard, job_id: str) -> str:
+def stop(client: ClusterClient, job_id: str) -> str:
     """Ask Ray to stop the job and wait (bounded) until it reports a final status."""
-    info = job_info(dash, job_id)
+    info = job_info(client, job_id)
     if info.status.is_terminal():
         return f"job {job_id} had already ended: {info.status}"
-    dash.call(lambda: dash.jobs.stop_job(job_id), what=f"stop {job_id}", job_id=job_id)
+    client.call(lambda: client.jobs.stop_job(job_id), what=f"stop {job_id}", job_id=job_id)
     deadline = time.monotonic() + STOP_WAIT_S
     while time.monotonic() < deadline:
-        info = job_info(dash, job_id)
+        info = job_info(client, job_id)
         if info.status.is_terminal():
             return f"job {job_id} {'stopped' if info.status == 'STOPPED' else 'ended: ' + str(info.status)}"
         time.sleep(0.5)
     raise CloudrlError(f"asked Ray to stop {job_id}, but it still reports {info.status} after {STOP_WAIT_S:g} s: "
-                       f"check `cloudrl status {job_id}{dash.address.flag}`")
+                       f"check `cloudrl status {job_id}{client.address.flag}`")
 
 
-def follow(dash: Dashboard, job_id: str, out: Callable[[str], Any] | None = None) -> Any:
+def follow(client: ClusterClient, job_id: str, out: Callable[[str], Any] | None = None) -> Any:
     """Stream the job's logs until it ends; returns its final info.
 
     Raises CloudrlError unless it succeeded, and Detached on Ctrl+C (the job keeps running).
     """
     write = out or _write_stdout
-    job_info(dash, job_id)  # a clear error for an unknown id before opening the stream
+    job_info(client, job_id)  # a clear error for an unknown id before opening the stream
     try:
-        asyncio.run(_stream(dash, job_id, write))
+        asyncio.run(_stream(client, job_id, write))
     except KeyboardInterrupt:
         raise Detached(job_id) from None
-    info = job_info(dash, job_id)
+    info = job_info(client, job_id)
     deadline = time.monotonic() + END_GRACE_S
     while not info.status.is_terminal() and time.monotonic() < deadline:  # stream closed a little early
         time.sleep(0.5)
-        info = job_info(dash, job_id)
+        info = job_info(client, job_id)
     if info.status == "SUCCEEDED":
         return info
     if not info.status.is_terminal():
         raise CloudrlError(f"the log stream of {job_id} ended while the job is {info.status}: "
-                           f"follow it again with `cloudrl logs {job_id} --follow{dash.address.flag}`")
-    reason = failure_reason(info, job_logs(dash, job_id))
-    raise CloudrlError(f"job {job_id} {info.status}: {reason} (full logs: cloudrl logs {job_id}{dash.address.flag})")
+                           f"follow it again with `cloudrl logs {job_id} --follow{client.address.flag}`")
+    reason = failure_reason(info, job_logs(client, job_id))
+    raise CloudrlError(f"job {job_id} {info.status}: {reason} (full logs: cloudrl logs {job_id}{client.address.flag})")
 
 
 def failure_reason(info: Any, logs: str) -> str:
     """The job's own one-line error from its logs, else the first line of Ray's message."""
     message = (info.message or "").strip()
-    return last_error_line(logs) or (message.splitlines()[0] if message else "no message")
+    return last_error_line(logs) or first_line(message, "no message")
 
 
 def _write_stdout(chunk: str) -> None:
@@ -196,11 +198,11 @@ def _write_stdout(chunk: str) -> None:
     sys.stdout.flush()
 
 
-async def _stream(dash: Dashboard, job_id: str, write: Callable[[str], Any]) -> None:
-    client = dash.jobs
+async def _stream(client: ClusterClient, job_id: str, write: Callable[[str], Any]) -> None:
+    jobs = client.jobs
 
     async def pump() -> None:
-        async for chunk in client.tail_job_logs(job_id):
+        async for chunk in jobs.tail_job_logs(job_id):
             write(chunk)
 
     tail = asyncio.ensure_future(pump())
@@ -211,12 +213,13 @@ async def _stream(dash: Dashboard, job_id: str, write: Callable[[str], Any]) -> 
             if done:
                 exc = tail.exception()
                 if exc is not None:
-                    raise CloudrlError(f"the log stream of {job_id} from {dash.address.url} broke "
+                    job_info(client, job_id)  # a cluster that stopped answering says so (ClusterUnreachable)
+                    raise CloudrlError(f"the log stream of {job_id} from {client.address.url} broke "
                                        f"({_short(exc)}); the job may still run: "
-                                       f"`cloudrl status {job_id}{dash.address.flag}`")
+                                       f"`cloudrl status {job_id}{client.address.flag}`")
                 return
             # A watchdog beside the stream: a dead tunnel fails this bounded call instead of hanging.
-            info = await asyncio.to_thread(job_info, dash, job_id)
+            info = await asyncio.to_thread(job_info, client, job_id)
             if info.status.is_terminal():
                 ended_at = ended_at or time.monotonic()
                 if time.monotonic() - ended_at > END_GRACE_S:

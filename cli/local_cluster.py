@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .errors import CloudrlError
-from .local_state import cache_dir, load_state, save_state, state_path
-from .node_processes import alive, spawn, stop_node
-from .ray_api import Address, Dashboard
+from cloudrl.trainer.paths import cache_dir
 
-DEFAULT_DASHBOARD_PORT = 8265
+from .local_state import load_state, save_state, state_path
+from .node_processes import alive, spawn, stop_node
+from .pins import DASHBOARD_PORT
+from .ray_api import Address, ClusterClient
+
 NODE_PORTS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
               "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
 HEAD_PORTS = ("port", "ray-client-server-port")
@@ -75,7 +77,7 @@ def default_dashboard_port() -> int:
     """8265 (the CLI's default address) unless CLOUDRL_LOCAL_DASHBOARD_PORT says otherwise (0 = any free)."""
     value = os.environ.get("CLOUDRL_LOCAL_DASHBOARD_PORT", "")
     try:
-        return int(value) if value else DEFAULT_DASHBOARD_PORT
+        return int(value) if value else DASHBOARD_PORT
     except ValueError:
         raise CloudrlError(f"CLOUDRL_LOCAL_DASHBOARD_PORT={value!r} is not a port number") from None
 
@@ -155,10 +157,10 @@ def _start(nodes: int, cpus_per_node: int | None, gpus_per_node: int | None, obj
             root = tempfile.mkdtemp(prefix="cloudrl-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
             state["root"] = root
             save_state(state)
-        dash = _pick_dashboard_port(dashboard_port, echo)
-        ports = _free_ports(len(HEAD_PORTS) + len(NODE_PORTS) * nodes, exclude={dash})
+        dashboard_port = _pick_dashboard_port(dashboard_port, echo)
+        ports = _free_ports(len(HEAD_PORTS) + len(NODE_PORTS) * nodes, exclude={dashboard_port})
         head_ports = dict(zip(HEAD_PORTS, ports[: len(HEAD_PORTS)]))
-        url = f"http://127.0.0.1:{dash}"
+        url = f"http://127.0.0.1:{dashboard_port}"
         gcs = f"127.0.0.1:{head_ports['port']}"
         state.update(dashboard_url=url, gcs_address=gcs)
         for i in range(nodes):
@@ -170,7 +172,7 @@ def _start(nodes: int, cpus_per_node: int | None, gpus_per_node: int | None, obj
                 args.append(f"--num-gpus={gpus_per_node}")
             if i == 0:
                 args += ["--head", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                         f"--dashboard-port={dash}"] + [f"--{k}={v}" for k, v in head_ports.items()]
+                         f"--dashboard-port={dashboard_port}"] + [f"--{k}={v}" for k, v in head_ports.items()]
             else:
                 args.append(f"--address={gcs}")
             args += [f"--{k}={v}" for k, v in node_ports.items()]
@@ -238,8 +240,10 @@ def _pick_dashboard_port(wanted: int, echo: Echo) -> int:
 
 
 def port_free(port: int) -> bool:
-    """Whether a listener could bind `port` on 127.0.0.1 right now."""
+    """Whether a listener could bind `port` on 127.0.0.1 right now. SO_REUSEADDR, as servers bind: a port
+    whose last connections linger in TIME_WAIT (a client that polled the previous cluster) is free."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -275,7 +279,7 @@ def _dashboard_answers(url: str) -> bool:
 
 def _alive_nodes(url: str) -> int:
     try:
-        return len(Dashboard(Address(url, "local")).alive_nodes())
+        return len(ClusterClient(Address(url, "local")).alive_nodes())
     except CloudrlError:  # the state API starts a little after the dashboard itself
         return 0
 

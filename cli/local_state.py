@@ -8,9 +8,10 @@ through `ray_api`. Kept here, neither of those two imports the other back.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from cloudrl.trainer.paths import cache_dir
 
 from .errors import CloudrlError
 from .node_processes import alive
@@ -18,8 +19,6 @@ from .node_processes import alive
 STATE_NAME = "local-cluster.json"
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("CLOUDRL_CACHE") or Path.home() / ".cache" / "cloudrl")
 
 
 def state_path() -> Path:

@@ -9,17 +9,20 @@ functions to keep `cloudrl --help` fast.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
-from .errors import CloudrlError
+from cloudrl.trainer.errors import first_line
+
+from .errors import CloudrlError, ClusterUnreachable, NoSuchJob
 from .local_state import running_dashboard_url
+from .pins import DASHBOARD_PORT
+from .ray_compat import bounded_job_client
 
-DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+DEFAULT_ADDRESS = f"http://127.0.0.1:{DASHBOARD_PORT}"
 CONNECT_TIMEOUT_S = 3.0
 READ_TIMEOUT_S = 10.0
 # The first request: a dashboard that answers at all answers /api/version at once.
@@ -50,11 +53,15 @@ class Address:
         return f"{self.url}/#/jobs/{job_id}"
 
 
-def resolve_address(address: str | None, local: bool = False) -> Address:
-    """--address, else RAY_ADDRESS, else the port dstack forwards; `local` = the `cloudrl local` cluster."""
+def resolve_address(address: str | None, local: bool = False,
+                    start_local: Callable[[], Any] | None = None) -> Address:
+    """--address, else RAY_ADDRESS, else the port dstack forwards; `local` = the `cloudrl local` cluster
+    (started by `start_local` when given and none runs)."""
     if local:
         if address:
             raise CloudrlError("pass either --local or --address, not both")
+        if running_dashboard_url() is None and start_local is not None:
+            start_local()
         url = running_dashboard_url()
         if url is None:
             raise CloudrlError("no local cluster is running: start one with `cloudrl local up`")
@@ -113,7 +120,7 @@ def unreachable_hint(address: Address) -> str:
             "start a cluster on this machine with `cloudrl local up` and pass --local, or pass --address")
 
 
-class Dashboard:
+class ClusterClient:
     """One cluster's dashboard: plain HTTP reads plus Ray's Jobs client."""
 
     def __init__(self, address: Address):
@@ -162,8 +169,8 @@ class Dashboard:
         except requests.exceptions.ConnectionError as exc:
             raise self._unreachable(_connection_reason(exc)) from None
 
-    def _unreachable(self, reason: str) -> CloudrlError:
-        return CloudrlError(
+    def _unreachable(self, reason: str) -> ClusterUnreachable:
+        return ClusterUnreachable(
             f"no Ray dashboard answers at {self.address.url}{_where(self.address)} ({reason}): "
             f"{unreachable_hint(self.address)}"
         )
@@ -206,7 +213,9 @@ class Dashboard:
         if self._jobs is None:
             if not self._probed:  # settles reachability and the auth header first, with our messages
                 self.ray_version()
-            self._jobs = self.call(lambda: _job_client(self.address.url, self._headers), what="connect")
+            self._jobs = self.call(lambda: bounded_job_client(self.address.url, self._headers, CONNECT_TIMEOUT_S,
+                                                                 READ_TIMEOUT_S, SUBMIT_READ_TIMEOUT_S),
+                                   what="connect")
         return self._jobs
 
     def call(self, fn: Callable[[], T], what: str, job_id: str | None = None) -> T:
@@ -220,10 +229,10 @@ class Dashboard:
         except RuntimeError as exc:
             text = str(exc)
             if job_id and ("404" in text or "does not exist" in text):
-                raise CloudrlError(
+                raise NoSuchJob(
                     f"no job {job_id!r} on {self.address.url}: `cloudrl list{self.address.flag}` shows its jobs"
                 ) from None
-            raise CloudrlError(f"the Ray Jobs API at {self.address.url} refused to {what}: {_first_line(text)}") from None
+            raise CloudrlError(f"the Ray Jobs API at {self.address.url} refused to {what}: {first_line(text)}") from None
 
 
 def local_auth_token() -> str | None:
@@ -237,39 +246,6 @@ def local_auth_token() -> str | None:
         return None
 
 
-def _job_client(url: str, headers: dict[str, str]) -> Any:
-    import logging
-
-    from ray.job_submission import JobSubmissionClient
-
-    if not os.environ.get("CLOUDRL_DEBUG"):  # Ray's client logs every upload and closed stream at INFO
-        for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
-                     "ray._private.runtime_env.packaging"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-
-    class BoundedJobClient(JobSubmissionClient):
-        # Ray's client sends its HTTP requests without a timeout; a tunnel whose far end hangs
-        # would hang us too. Every request gets a connect and a read timeout.
-        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
-            read = SUBMIT_READ_TIMEOUT_S if method in ("POST", "PUT") else READ_TIMEOUT_S
-            kwargs.setdefault("timeout", (CONNECT_TIMEOUT_S, read))
-            return super()._do_request(method, endpoint, **kwargs)
-
-    # Ray lets RAY_ADDRESS (and RAY_API_SERVER_ADDRESS) override the address it is given; cloudrl has
-    # already resolved --address against RAY_ADDRESS, so hide both while the client is built.
-    with _env_unset("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
-        return BoundedJobClient(url, headers=dict(headers) or None)
-
-
-@contextlib.contextmanager
-def _env_unset(*names: str) -> Iterator[None]:
-    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
 def _connection_reason(exc: BaseException) -> str:
     text = str(exc)
     for needle, reason in (("Connection refused", "connection refused"), ("timed out", "timed out"),
@@ -277,8 +253,6 @@ def _connection_reason(exc: BaseException) -> str:
                            ("RemoteDisconnected", "the connection closed without a reply")):
         if needle in text:
             return reason
-    return _first_line(text)[:200]
+    return first_line(text)[:200]
 
 
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else "no details"

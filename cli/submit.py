@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from cloudrl.trainer.errors import first_line
+
 from .errors import CloudrlError
-from .ray_api import Address, Dashboard
+from .ray_api import Address, ClusterClient
 from .shipping import Upload, write_zip
 
 # `python3` is what tasks/ray-bootstrap.sh installs Ray into; the local cluster puts this
@@ -133,17 +135,17 @@ def stage_package(dest: Path, preset_file: Path | None = None) -> Path:
     return package
 
 
-def preflight(dash: Dashboard, cfg: Any) -> str:
+def preflight(client: ClusterClient, cfg: Any) -> str:
     """The cluster answers, runs our Ray version, and can place every role of cfg; returns a summary."""
     from cloudrl.trainer.config import ConfigError
-    from cloudrl.trainer.placement import check_fits, describe_cluster
+    from cloudrl.trainer.placement import check_fits, describe_cluster, plan
 
-    version = dash.check_version()
-    nodes = dash.alive_nodes()
+    version = client.check_version()
+    nodes = client.alive_nodes()
     try:
-        check_fits(cfg, nodes)
+        check_fits(plan(cfg), nodes)
     except ConfigError as exc:
-        raise CloudrlError(f"{exc} (cluster at {dash.address.url})") from None
+        raise CloudrlError(f"{exc} (cluster at {client.address.url})") from None
     return f"cluster ok: Ray {version}, {describe_cluster(nodes)}"
 
 
@@ -178,33 +180,33 @@ def pack_upload(req: JobRequest, tmp: Path) -> tuple[Path | None, int | None]:
     return target, write_zip(req.upload, target)
 
 
-def submit(dash: Dashboard, req: JobRequest, env_values: dict[str, str], files_zip: Path | None = None) -> str:
+def submit(client: ClusterClient, req: JobRequest, env_values: dict[str, str], files_zip: Path | None = None) -> str:
     """Upload the trainer (and the job's files) and create the job. When the connection fails (or Ctrl+C
     comes) after the request left, the job may exist anyway: it is removed, or the error says it may not be."""
     import requests
 
-    client = dash.jobs
+    jobs = client.jobs
     with tempfile.TemporaryDirectory(prefix="cloudrl-submit-") as tmp:
         package = stage_package(Path(tmp), req.preset_file)
         try:
-            return client.submit_job(entrypoint=req.entrypoint, submission_id=req.submission_id,
+            return jobs.submit_job(entrypoint=req.entrypoint, submission_id=req.submission_id,
                                      runtime_env=req.runtime_env(package, env_values, files_zip),
                                      metadata=req.metadata)
         except RuntimeError as exc:  # the Jobs API said no: no job was created
             if "already" in str(exc) and req.submission_id in str(exc):
-                raise CloudrlError(f"a job named {req.submission_id!r} already exists on {dash.address.url}: "
+                raise CloudrlError(f"a job named {req.submission_id!r} already exists on {client.address.url}: "
                                    f"pick another --name") from None
-            raise CloudrlError(f"the cluster refused the job: {str(exc).strip().splitlines()[0]}") from None
+            raise CloudrlError(f"the cluster refused the job: {first_line(exc)}") from None
         except (requests.exceptions.RequestException, KeyboardInterrupt) as exc:
             # The request may have reached the cluster before the connection broke: the job can exist
             # although we never saw its id come back. Look for it and remove it before saying anything.
-            removed = _remove_job(client, req.submission_id)
+            removed = _remove_job(jobs, req.submission_id)
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            failed = f"submitting to {dash.address.url} failed ({type(exc).__name__})"
+            failed = f"submitting to {client.address.url} failed ({type(exc).__name__})"
             if removed:
                 raise CloudrlError(f"{failed}; no job was left behind: check the connection and submit again") from None
-            flag = dash.address.flag
+            flag = client.address.flag
             raise CloudrlError(f"{failed}, and whether job {req.submission_id!r} was created could not be confirmed: "
                                f"run `cloudrl list{flag}` and `cloudrl stop {req.submission_id}{flag}`") from None
 

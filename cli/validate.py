@@ -5,7 +5,8 @@ Every YAML under fleets/ and tasks/ goes through three layers, and each problem 
 
 1. dstack's own configuration parser, the one `dstack apply` runs first (no server needed): below;
 2. rules the dstack server checks only after `dstack apply` has planned, or that fail even later;
-3. cloudrl's own (Ray pin, loopback dashboard, startup order, placement): 2 and 3 are in bundle_rules.py.
+3. cloudrl's own (Ray pin, loopback dashboard, placement, GPU vendor, dashboard port, Ray token, secrets,
+   the shipped bootstrap, a task against its fleets): 2 and 3 are in bundle_rules.py and bundle_checks.py.
 
 A file that cannot be read as one YAML mapping (binary, not UTF-8, empty, a list, a key written twice, a
 dangling symlink) is one such line too, and a bundle without any YAML file fails instead of passing.
@@ -25,6 +26,7 @@ import yaml
 
 from cloudrl.trainer.presets import load_yaml, yaml_error_text
 
+from .bundle_checks import fleet_problems, task_and_fleet_problems
 from .bundle_rules import BUNDLE_DIRS, Problem, dstack_models, rel_path, rule_problems
 from .errors import CloudrlError
 
@@ -51,10 +53,14 @@ def validate_bundle(root: Path) -> list[Problem]:
     """Every problem in every bundle file, in file order; a script shared by several tasks is reported
     once."""
     problems: list[Problem] = []
-    for path in bundle_files(root):
+    files = bundle_files(root)
+    for path in files:
         for problem in validate_file(path, root):
             if problem not in problems:
                 problems.append(problem)
+    for problem in fleet_problems(files, root):
+        if problem not in problems:
+            problems.append(problem)
     return problems
 
 
@@ -64,7 +70,8 @@ def validate_file(path: Path, root: Path) -> list[Problem]:
     data = _read_yaml(path, rel)
     if isinstance(data, Problem):
         return [data]
-    problems = _parser_problems(rel, data) + rule_problems(rel, data, path, root)
+    problems = (_parser_problems(rel, data) + rule_problems(rel, data, path, root)
+                + task_and_fleet_problems(rel, data, path, root))
     # One line per key: the parser's message wins over a later rule's on the same key.
     seen: set[tuple[str, str]] = set()
     unique = []
@@ -194,9 +201,12 @@ def validate(
     dstack's own parser (no server needed), then the rules dstack checks only server-side, then cloudrl's (Ray pin, loopback dashboard). One line per problem: file, key, problem, fix; exit 1 if any.
     """
     files = bundle_files(root)
-    problems = validate_bundle(root)
+    found = validate_bundle(root)
+    problems = [p for p in found if not p.warning]
     for problem in problems:
         typer.echo(str(problem))
+    for warning in (p for p in found if p.warning):
+        typer.secho(str(warning), fg=typer.colors.YELLOW, err=True)
     if problems:
         typer.secho(f"{len(problems)} problem(s) in {len({p.path for p in problems})} file(s); "
                     f"fix them before `dstack apply`", fg=typer.colors.RED, err=True)

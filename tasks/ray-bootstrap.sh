@@ -21,10 +21,17 @@
 #   CLOUDRL_PYTHON=python3      interpreter that gets Ray and the trainer's packages
 #   NCCL_SOCKET_IFNAME=auto     auto: the interface that holds this node's dstack IP (GLOO_SOCKET_IFNAME too)
 #   NCCL_IB_DISABLE=auto        auto: 0 when /sys/class/infiniband has devices, else 1
-#   RAY_AUTH_TOKEN              set (as a secret): Ray token authentication on, with this token
+#   RAY_AUTH_TOKEN              required: Ray token authentication, the same token on every node and
+#                               where you run `cloudrl` (`export RAY_AUTH_TOKEN=$(openssl rand -hex 32)`)
+#   CLOUDRL_RAY_AUTH=off        start without token authentication (a trusted network only)
+#   CLOUDRL_FABRIC_CHECK=1      head: after all nodes join, an all-reduce across them reports transport,
+#                               bandwidth and latency, and fails on TCP when IB/EFA devices exist; 0 skips it
+#   CLOUDRL_PHASE_PORT=6380     head: where workers report their bring-up phases (closed once ready)
+#   CLOUDRL_GPU_VENDOR=auto     amd: HIP/ROCR_VISIBLE_DEVICES = this node's GPUs (auto: amd when /dev/kfd exists)
 #   HF_HOME, CLOUDRL_RUNS_DIR   default to /checkpoints/hf-cache and /checkpoints when /checkpoints exists
 # This script knows nothing of the trainer: `cloudrl submit` ships it through Ray's runtime env.
 set -euo pipefail
+BOOT_START="$(date +%s.%N)"
 
 # Must equal cloudrl's own pin (cli/pins.py RAY_VERSION) so the client on your machine matches the
 # cluster; `cloudrl validate` checks it. Not an env knob on purpose.
@@ -41,6 +48,49 @@ die() {
 }
 
 # --- 1. dstack's environment -------------------------------------------------------------------
+# >>> Slurm: the same DSTACK_* inputs, from Slurm's environment --------------------------------------
+# tasks/slurm/ray-cluster.sbatch runs this script once per node with `srun`. Under dstack (which sets
+# DSTACK_NODE_RANK itself) this block does nothing. The node order is Slurm's (`scontrol show hostnames`),
+# so the job's first node is the head; each name becomes the address Slurm itself reaches the node on
+# (its NodeAddr, resolved when it is a host name).
+if [[ -z "${DSTACK_NODE_RANK:-}" && -n "${SLURM_JOB_ID:-}" ]]; then
+    slurm_nodelist="${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-}}"
+    [[ -n "$slurm_nodelist" ]] || die "SLURM_JOB_NODELIST is not set: start this script with srun inside" \
+        "an allocation (sbatch tasks/slurm/ray-cluster.sbatch), not by hand."
+    # A batch script whose nodes lack scontrol (inside a container) resolves the nodes and passes
+    # DSTACK_NODES_IPS in; tasks/slurm/ray-cluster.sbatch does.
+    [[ -n "${DSTACK_NODES_IPS:-}" ]] || command -v scontrol >/dev/null || die "scontrol is not on PATH on" \
+        "$(hostname): put Slurm's client tools on the PATH, or export DSTACK_NODES_IPS (one address per node)."
+    [[ -n "${DSTACK_NODES_IPS:-}" ]] || for slurm_host in $(scontrol show hostnames "$slurm_nodelist"); do
+        addr="$(scontrol show node -o "$slurm_host" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2 || true)"
+        [[ "$addr" =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$ ]] ||
+            addr="$(getent ahostsv4 "${addr:-$slurm_host}" | awk 'NR == 1 {print $1}' || true)"
+        [[ -n "$addr" ]] || die "Slurm node $slurm_host has no IPv4 address (scontrol show node" \
+            "$slurm_host; getent ahostsv4 $slurm_host): fix the node's NodeAddr or name resolution."
+        DSTACK_NODES_IPS+="$addr"$'\n'
+    done
+    DSTACK_MASTER_NODE_IP="$(awk '{print $1; exit}' <<<"$DSTACK_NODES_IPS")"
+    DSTACK_NODE_RANK="${SLURM_NODEID:-${SLURM_PROCID:-}}"
+    DSTACK_NODES_NUM="${SLURM_STEP_NUM_NODES:-${SLURM_JOB_NUM_NODES:-}}"
+    # GPUs: what Slurm allocated (--gpus-per-node/--gres), else the devices the site makes visible.
+    if [[ -n "${SLURM_GPUS_ON_NODE:-}" ]]; then
+        DSTACK_GPUS_PER_NODE="$SLURM_GPUS_ON_NODE"
+    else
+        visible="${CUDA_VISIBLE_DEVICES:-${ROCR_VISIBLE_DEVICES:-${HIP_VISIBLE_DEVICES:-}}}"
+        if [[ -n "$visible" ]]; then
+            IFS=, read -r -a visible <<<"$visible"
+            DSTACK_GPUS_PER_NODE="${#visible[@]}"
+        elif command -v nvidia-smi >/dev/null; then
+            DSTACK_GPUS_PER_NODE="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+        else
+            DSTACK_GPUS_PER_NODE=0
+        fi
+    fi
+    export DSTACK_NODE_RANK DSTACK_NODES_NUM DSTACK_MASTER_NODE_IP DSTACK_NODES_IPS DSTACK_GPUS_PER_NODE
+    log "Slurm job $SLURM_JOB_ID on $(hostname): node $DSTACK_NODE_RANK of $DSTACK_NODES_NUM," \
+        "$DSTACK_GPUS_PER_NODE GPU(s), head $DSTACK_MASTER_NODE_IP"
+fi
+# <<< Slurm ----------------------------------------------------------------------------------------
 for name in DSTACK_NODE_RANK DSTACK_MASTER_NODE_IP DSTACK_NODES_NUM DSTACK_GPUS_PER_NODE DSTACK_NODES_IPS; do
     [[ -n "${!name:-}" ]] || die "$name is not set. dstack sets it for every task; run this script as a" \
         "dstack task command (dstack apply -f tasks/ray-cluster.dstack.yml), not by hand."
@@ -59,16 +109,19 @@ for name in READY_TIMEOUT JOIN_TIMEOUT RAY_PORT DASHBOARD_PORT; do
     is_uint "${!name}" || die "CLOUDRL_$name=${!name} is not a non-negative integer."
 done
 
-# Ray token authentication: on when the task passes a RAY_AUTH_TOKEN secret (the same value on every
-# node; export it where you run `cloudrl submit` too), otherwise explicitly off. Never left to Ray's
-# default, which turns it on when a stray ~/.ray/auth_token exists, on one node but not the others.
+# Ray token authentication, required: every Ray node, the dashboard's Jobs API and `cloudrl` check the
+# same RAY_AUTH_TOKEN. Without it anyone on the cluster's network could run code on every node.
+# CLOUDRL_RAY_AUTH=off is the explicit opt-out. Never left to Ray's default, which turns auth on when a
+# stray ~/.ray/auth_token exists, on one node but not the others. The same rule under Slurm.
 if [[ -n "${RAY_AUTH_TOKEN:-}" ]]; then
     export RAY_AUTH_MODE=token
-elif [[ "${RAY_AUTH_MODE:-disabled}" == token ]]; then
-    die "RAY_AUTH_MODE=token needs RAY_AUTH_TOKEN: list it under the task's env (by name) and export" \
-        "the same value on your machine."
-else
+elif [[ "${CLOUDRL_RAY_AUTH:-on}" == off ]]; then
     export RAY_AUTH_MODE=disabled
+else
+    die "RAY_AUTH_TOKEN is not set: the Ray cluster would accept jobs from anyone on its network. Run" \
+        "\`export RAY_AUTH_TOKEN=\$(openssl rand -hex 32)\` where you run \`dstack apply\` or \`sbatch\`" \
+        "(keep it for \`cloudrl submit\`; a dstack task lists RAY_AUTH_TOKEN under its env), or set" \
+        "CLOUDRL_RAY_AUTH=off."
 fi
 
 # One address a line (dstack's format); any whitespace works.
@@ -81,6 +134,69 @@ NODE_IP="${NODE_IPS[$RANK]}"
 HEAD_IP="$DSTACK_MASTER_NODE_IP"
 [[ "${NODE_IPS[0]}" == "$HEAD_IP" ]] ||
     die "DSTACK_MASTER_NODE_IP=$HEAD_IP is not the first of DSTACK_NODES_IPS (${NODE_IPS[*]})."
+PHASE_PORT="${CLOUDRL_PHASE_PORT:-6380}"
+is_uint "$PHASE_PORT" || die "CLOUDRL_PHASE_PORT=$PHASE_PORT is not a non-negative integer."
+
+report_phase() {
+    # Worker: tell the head's watcher (tasks/ray_bringup.py) this node reached phase $1, so the head can
+    # tell "installing Ray" from "never came". Best effort, in the background: the head may not listen
+    # yet (it installs Ray first), and a report that never arrives only costs a less precise log line.
+    ((RANK > 0)) || return 0
+    local line="$RANK $1 $(date +%s.%N)"
+    (for _ in $(seq 1 $((JOIN_TIMEOUT / 2 + 1))); do
+        timeout 2 bash -c "echo '$line' >/dev/tcp/$HEAD_IP/$PHASE_PORT" 2>/dev/null && exit 0
+        sleep 2
+    done) </dev/null >/dev/null 2>&1 &
+}
+report_phase started
+
+# >>> Debugger and custom resources (docs/debugging.md, docs/slurm.md) -------------------------------
+# CLOUDRL_DEBUGGER, unset: off. Set on every node, it reaches every Ray worker process:
+#   post-mortem  Ray's distributed debugger: debugpy installed; a breakpoint() in a task or actor, or an
+#                uncaught exception (RAY_DEBUG_POST_MORTEM=1), pauses it until VS Code's "Ray
+#                Distributed Debugger" attaches. debugpy listens on the node's cluster address, not 0.0.0.0.
+#   legacy       Ray's pdb for `ray debug` (RAY_DEBUG=legacy), listening on the node's cluster address
+#                (--ray-debugger-external) so `ray debug` on the head reaches breakpoints on every node.
+case "${CLOUDRL_DEBUGGER:-}" in
+    "") ;;
+    post-mortem)
+        export RAY_DEBUG=1 RAY_DEBUG_POST_MORTEM=1
+        TRAINER_PACKAGES+=" debugpy=debugpy>=1.8.0"
+        ;;
+    legacy)
+        export RAY_DEBUG=legacy
+        unset RAY_DEBUG_POST_MORTEM
+        CLOUDRL_RAY_START_ARGS="${CLOUDRL_RAY_START_ARGS:-} --ray-debugger-external"
+        ;;
+    *) die "CLOUDRL_DEBUGGER=$CLOUDRL_DEBUGGER is not a debugger: use post-mortem or legacy, or leave it unset." ;;
+esac
+# CLOUDRL_RAY_RESOURCES: custom Ray resources for role pinning (`<role>.resources` in the job's config).
+# Either this node's own, a JSON object of amounts: '{"rollout_node": 1}'; or one per node, an object
+# of such objects keyed by node rank or host name: '{"0": {"trainer_node": 1}, "gpu-07": {...}}'
+# (a node not named gets none).
+if [[ -n "${CLOUDRL_RAY_RESOURCES:-}" ]]; then
+    resources="$("$PYTHON" - "$CLOUDRL_RAY_RESOURCES" "$RANK" "$(hostname -s)" "${SLURMD_NODENAME:-}" <<'PY'
+import json, sys
+raw, keys = sys.argv[1], [k for k in sys.argv[2:] if k]
+try:
+    given = json.loads(raw)
+    if not isinstance(given, dict):
+        raise ValueError("not an object")
+    if given and all(isinstance(v, dict) for v in given.values()):
+        given = next((given[k] for k in keys if k in given), {})
+    if not all(isinstance(v, (int, float)) and v >= 0 and " " not in k for k, v in given.items()):
+        raise ValueError("amounts must be numbers >= 0, names without spaces")
+except ValueError as e:
+    print(f"CLOUDRL_RAY_RESOURCES={raw} is not a JSON object of resource amounts ({e}): write e.g. "
+          """'{"rollout_node": 1}', or '{"0": {"trainer_node": 1}, "1": {"rollout_node": 1}}' per node.""")
+    sys.exit(1)
+print(json.dumps(given, separators=(",", ":")) if given else "")
+PY
+)" || die "$resources"
+    [[ -z "$resources" ]] || CLOUDRL_RAY_START_ARGS="${CLOUDRL_RAY_START_ARGS:-} --resources=$resources"
+    log "custom Ray resources on this node: ${resources:-none}"
+fi
+# <<< Debugger and custom resources -----------------------------------------------------------------
 
 # --- 2. Python packages: the pinned Ray, and what the trainer needs beyond the image ------------
 wanted=()
@@ -104,6 +220,8 @@ fi
 have_ray="$("$PYTHON" -c 'import ray; print(ray.__version__)')"
 [[ "$have_ray" == "$CLOUDRL_RAY_VERSION" ]] ||
     die "Ray $have_ray is installed but cloudrl needs $CLOUDRL_RAY_VERSION."
+INSTALLED="$(date +%s.%N)"
+report_phase installed
 
 # --- 3. Network settings for NCCL/RCCL and Gloo, inherited by every Ray worker process ----------
 interface_of() {
@@ -141,8 +259,17 @@ if [[ "${NCCL_IB_DISABLE:-auto}" == auto ]]; then
         export NCCL_IB_DISABLE=1
     fi
 fi
+# AMD GPUs: Ray schedules them through HIP_VISIBLE_DEVICES (and refuses to start when only
+# ROCR_VISIBLE_DEVICES is set), so both list this node's DSTACK_GPUS_PER_NODE devices.
+vendor="${CLOUDRL_GPU_VENDOR:-auto}"
+[[ "$vendor" != auto ]] || { [[ -e /dev/kfd ]] && vendor=amd || vendor=nvidia; }
+if [[ "$vendor" == amd && "$DSTACK_GPUS_PER_NODE" -gt 0 ]]; then
+    devices="$(seq -s, 0 $((DSTACK_GPUS_PER_NODE - 1)))"
+    export HIP_VISIBLE_DEVICES="${HIP_VISIBLE_DEVICES:-$devices}" ROCR_VISIBLE_DEVICES="${ROCR_VISIBLE_DEVICES:-$devices}"
+    log "AMD GPUs: HIP_VISIBLE_DEVICES=$HIP_VISIBLE_DEVICES ROCR_VISIBLE_DEVICES=$ROCR_VISIBLE_DEVICES"
+fi
 log "node $NODE_IP; NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<unset>} NCCL_IB_DISABLE=$NCCL_IB_DISABLE;" \
-    "Ray token auth ${RAY_AUTH_MODE/disabled/off}"
+    "Ray token auth $([[ "$RAY_AUTH_MODE" == token ]] && echo on || echo off)"
 
 # Runs and downloads go to the run volume when the task mounts one (tasks/*.dstack.yml: /checkpoints):
 # a job's relative trainer.run_dir lands there instead of in the job's temporary working directory,
@@ -152,6 +279,54 @@ if [[ -d /checkpoints && -w /checkpoints ]]; then
     export HF_HOME="${HF_HOME:-/checkpoints/hf-cache}" CLOUDRL_RUNS_DIR="${CLOUDRL_RUNS_DIR:-/checkpoints}"
 fi
 
+# >>> Search-R1 retriever, one per node (docs/search-r1.md) ---------------------------------------
+# CLOUDRL_RETRIEVER_INDEX, unset: off. Set to an index directory (built with `python retriever_server.py
+# build-index`, e.g. on the task's volume): every node serves it on 127.0.0.1:CLOUDRL_RETRIEVER_PORT
+# (8000), where that node's rollout workers query it, and joins Ray only once its /health answers, with
+# the Ray resource `retriever: 1`. So the head's ready line, which waits for every node, also means every
+# node's retriever is up. CLOUDRL_RETRIEVER_SCRIPT (trainer/retriever_server.py, shipped by the task's
+# `files:`), CLOUDRL_RETRIEVER_TIMEOUT=600 (seconds to load the index).
+if [[ -n "${CLOUDRL_RETRIEVER_INDEX:-}" ]]; then
+    retriever_port="${CLOUDRL_RETRIEVER_PORT:-8000}"
+    retriever_script="${CLOUDRL_RETRIEVER_SCRIPT:-trainer/retriever_server.py}"
+    retriever_timeout="${CLOUDRL_RETRIEVER_TIMEOUT:-600}"
+    is_uint "$retriever_port" || die "CLOUDRL_RETRIEVER_PORT=$retriever_port is not a port number."
+    is_uint "$retriever_timeout" || die "CLOUDRL_RETRIEVER_TIMEOUT=$retriever_timeout is not a number of seconds."
+    [[ -f "$retriever_script" ]] || die "CLOUDRL_RETRIEVER_SCRIPT=$retriever_script is not a file: ship" \
+        "trainer/retriever_server.py with the task's files: (see tasks/ray-cluster-search.dstack.yml)."
+    [[ -f "$CLOUDRL_RETRIEVER_INDEX/meta.json" ]] || die "CLOUDRL_RETRIEVER_INDEX=$CLOUDRL_RETRIEVER_INDEX holds" \
+        "no index on this node: build one with 'python trainer/retriever_server.py build-index --corpus" \
+        "CORPUS.jsonl --out DIR' onto the volume every node mounts."
+    "$PYTHON" -c "import bm25s" 2>/dev/null || "$PYTHON" -m pip install --quiet --disable-pip-version-check \
+        --no-input "bm25s>=0.2" || die "pip could not install bm25s for the retriever."
+    "$PYTHON" "$retriever_script" serve --index "$CLOUDRL_RETRIEVER_INDEX" --host 127.0.0.1 \
+        --port "$retriever_port" &
+    retriever_pid=$!
+    start_s=$SECONDS
+    until timeout 3 bash -c "exec 3<>/dev/tcp/127.0.0.1/$retriever_port && printf 'GET /health HTTP/1.0\r\n\r\n' >&3 &&
+        grep -q '\"status\": \"ok\"' <&3" 2>/dev/null; do
+        kill -0 "$retriever_pid" 2>/dev/null || die "the retriever exited before answering (its output is above)."
+        ((SECONDS - start_s < retriever_timeout)) || die "the retriever on 127.0.0.1:$retriever_port did not" \
+            "answer /health within ${retriever_timeout}s: raise CLOUDRL_RETRIEVER_TIMEOUT for a large index."
+        sleep 1
+    done
+    log "retriever on 127.0.0.1:$retriever_port answers ($CLOUDRL_RETRIEVER_INDEX, $((SECONDS - start_s))s)"
+    # `retriever: 1` joins the node's other custom resources (CLOUDRL_RAY_RESOURCES) in one --resources.
+    CLOUDRL_RAY_START_ARGS="$("$PYTHON" - "${CLOUDRL_RAY_START_ARGS:-}" <<'PY'
+import json, shlex, sys
+resources, kept = {}, []
+for arg in shlex.split(sys.argv[1]):
+    if arg.startswith("--resources="):
+        resources.update(json.loads(arg.split("=", 1)[1]))
+    else:
+        kept.append(arg)
+resources["retriever"] = 1
+print(" ".join(kept + ["--resources=" + json.dumps(resources, separators=(",", ":"))]))
+PY
+)"
+fi
+# <<< Search-R1 retriever ---------------------------------------------------------------------------
+
 # --- 4. Ray -------------------------------------------------------------------------------------
 # Ray's CLI from the interpreter that just got the pinned Ray, whatever `ray` PATH finds first.
 ray_cli=("$PYTHON" -m ray.scripts.scripts)
@@ -160,56 +335,35 @@ start_args=(--node-ip-address="$NODE_IP" --num-gpus="$DSTACK_GPUS_PER_NODE" --di
 read -r -a extra_args <<<"${CLOUDRL_RAY_START_ARGS:-}"
 start_args+=("${extra_args[@]}")
 
+# /dev/shm holds Ray's object store and NCCL's/vLLM's shared-memory buffers. Ray alone would take 95% of
+# it, so unless CLOUDRL_RAY_START_ARGS sizes the store, Ray gets half of /dev/shm, at most 30% of RAM
+# (Ray's own default share), and NCCL and vLLM keep the rest (the task's shm_size sets /dev/shm).
+if [[ " ${extra_args[*]} " != *" --object-store-memory"* ]]; then
+    store="$("$PYTHON" -c 'import os
+shm = os.statvfs("/dev/shm"); shm = shm.f_bavail * shm.f_frsize
+ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+print(max(min(shm // 2, ram * 3 // 10), 78643200))' 2>/dev/null || true)"
+    [[ -z "$store" ]] || start_args+=(--object-store-memory="$store")
+    log "object store ${store:-Ray default} bytes (half of /dev/shm, at most 30% of RAM)"
+fi
+# Fixed ports between the nodes, so a firewall can name them (fleets/on-prem.dstack.yml lists them);
+# first, so that CLOUDRL_RAY_START_ARGS can override them (the last value of a flag wins).
+start_args=(--object-manager-port=8076 --node-manager-port=8077 --min-worker-port=10002 --max-worker-port=10999
+    "${start_args[@]}")
+
+BRINGUP="$(dirname "${BASH_SOURCE[0]}")/ray_bringup.py"
 wait_for_nodes() {
-    # Runs beside the head's `ray start --block` (PID $1). Polls the dashboard's state API until
-    # every address in DSTACK_NODES_IPS has an alive Ray node, then prints the ready line. On
-    # timeout it names the missing nodes and stops the head with SIGTERM, so the job fails.
-    "$PYTHON" - "$1" "$DASHBOARD_PORT" "$READY_TIMEOUT" "${NODE_IPS[@]}" <<'PY'
-import os, signal, sys, time
-
-ray_pid, port, timeout, expected = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4:]
-rank_log = f"[cloudrl rank {os.environ['DSTACK_NODE_RANK']}]"
-start = time.monotonic()
-from ray.util.state import list_nodes  # imported after `start`: the import counts against the timeout
-
-alive, last_report, error = {}, -1.0, "dashboard not answering yet"
-while True:
-    elapsed = time.monotonic() - start
-    try:
-        os.kill(ray_pid, 0)
-    except ProcessLookupError:
-        print(f"{rank_log} error: the Ray head exited before the cluster was ready", flush=True)
-        sys.exit(1)
-    try:
-        nodes = list_nodes(address=f"http://127.0.0.1:{port}", filters=[("state", "=", "ALIVE")],
-                           timeout=10, raise_on_missing_output=False)
-        alive = {n.node_ip: n for n in nodes}
-        error = ""
-    except Exception as e:  # the dashboard starts a few seconds after the GCS
-        error = f"dashboard not answering yet ({type(e).__name__})"
-    missing = [f"{ip} (rank {rank})" for rank, ip in enumerate(expected) if ip not in alive]
-    if not missing:
-        gpus = sum(int(n.resources_total.get("GPU", 0)) for n in alive.values())
-        print(f"{rank_log} cluster ready: {len(alive)} nodes, {gpus} GPUs, dashboard on :{port}",
-              flush=True)
-        sys.exit(0)
-    if elapsed >= timeout:
-        print(f"{rank_log} error: cluster not ready after {timeout:.0f}s: "
-              f"{len(missing)} of {len(expected)} nodes did not join: {', '.join(missing)}. "
-              "Check those nodes' logs (dstack logs <run> --job <rank>); raise "
-              "CLOUDRL_READY_TIMEOUT if they are still pulling the image.", flush=True)
-        os.kill(ray_pid, signal.SIGTERM)
-        sys.exit(1)
-    if elapsed - last_report >= 10:
-        last_report = elapsed
-        print(f"{rank_log} waiting for nodes ({len(expected) - len(missing)}/{len(expected)} joined, "
-              f"{elapsed:.0f}s of {timeout:.0f}s): missing {', '.join(missing)}"
-              + (f"; {error}" if error else ""), flush=True)
-    time.sleep(1)
-PY
+    # Runs beside the head's `ray start --block` (PID $1): tasks/ray_bringup.py collects the workers'
+    # phase reports, waits until every address in DSTACK_NODES_IPS has an alive Ray node, runs the
+    # fabric check, then prints the ready line with each phase's duration. On timeout or a failed check
+    # it names what is wrong and stops the head with SIGTERM, so the job fails.
+    "$PYTHON" "$BRINGUP" watch "$1" "$DASHBOARD_PORT" "$READY_TIMEOUT" "$PHASE_PORT" \
+        "$BOOT_START" "$INSTALLED" "$(date +%s.%N)" "${NODE_IPS[@]}"
 }
 
 if ((RANK == 0)); then
+    [[ -f "$BRINGUP" ]] || die "$BRINGUP is missing: ship it beside this script (the task's files:" \
+        "- ray_bringup.py:tasks/ray_bringup.py)."
     log "starting the Ray head: GCS $NODE_IP:$RAY_PORT, dashboard 127.0.0.1:$DASHBOARD_PORT," \
         "waiting up to ${READY_TIMEOUT}s for $DSTACK_NODES_NUM nodes"
     # The watcher gets this shell's PID, which `exec` hands over to `ray start`.

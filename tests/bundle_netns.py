@@ -420,7 +420,8 @@ class LoopbackCluster(Cluster):
         ray_tmp.mkdir(parents=True, exist_ok=True)
         args = [f"--temp-dir={ray_tmp}", f"--dashboard-agent-listen-port={free_port()}",
                 f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-                f"--dashboard-agent-grpc-port={free_port()}"]
+                f"--dashboard-agent-grpc-port={free_port()}", f"--object-manager-port={free_port()}",
+                f"--node-manager-port={free_port()}"]
         if rank == 0:
             args.append(f"--ray-client-server-port={free_port()}")
         own = env.get("CLOUDRL_RAY_START_ARGS", "")

@@ -44,7 +44,8 @@ def main() -> None:
     import ray
 
     from cloudrl.trainer.config import load_config
-    from cloudrl.trainer.group import WORKER_CLASSES, launch_roles
+    from cloudrl.trainer.placement import plan
+    from cloudrl.trainer.roles import WORKER_CLASSES, launch_roles
 
     ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR")
     # Probes load nothing, but the models are still staged on every node first: a stand-in directory.
@@ -55,7 +56,7 @@ def main() -> None:
         preset, overrides = argv[1], argv[2:]
         cfg = load_config(preset, overrides)
         cfg.reward.model_path = model if cfg.reward.model_path else ""
-        roles = launch_roles(cfg, model, model, classes={role: Probe for role in WORKER_CLASSES})
+        roles = launch_roles(cfg, plan(cfg), model, model, classes={role: Probe for role in WORKER_CLASSES})
         try:
             layouts.append({g.name: g.where() for g in roles.groups()})
         finally:

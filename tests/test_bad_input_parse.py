@@ -246,7 +246,7 @@ def assert_one_error_line(result: typer.testing.Result, code: int, *parts: str) 
 # (args, parts): usage errors keep click's exit status 2 but are one line naming the command's --help.
 USAGE = [
     (["submit", "--bogus"], ["no such option: --bogus", "submit --help"]),
-    (["submit", "--config"], ["option '--config' requires an argument", "submit --help"]),
+    (["submit", "--preset"], ["option '--preset' requires an argument", "submit --help"]),
     (["logs"], ["missing argument", "logs --help"]),
     (["logs", "a", "b"], ["unexpected extra argument", "logs --help"]),
     (["local", "up", "--nodes", "x"], ["'--nodes'", "integer", "local up --help"]),
@@ -284,7 +284,7 @@ FAILURES = [
     (["submit", "--dry-run", "actor.lr"], ["is not KEY=VALUE"]),
     (["submit", "--dry-run", "rollout.temperature=0"], ["rollout.temperature must be > 0"]),
     (["submit", "--dry-run", "critic.mini_batch_size=0"], ["critic.mini_batch_size must be >= 1"]),
-    (["submit", "--dry-run", "--config", "nope"], ["unknown preset 'nope'"]),
+    (["submit", "--dry-run", "--preset", "nope"], ["unknown preset 'nope'"]),
     (["list", "--address", "http://h:99999"], ["--address=http://h:99999 is not a dashboard URL", "port"]),
     (["status", "--address", "http://[::1"], ["is not a dashboard URL", "ipv6"]),
     (["stop", "job", "--address", "http://"], ["is not a dashboard URL (no host)"]),
@@ -312,7 +312,7 @@ def test_a_bad_ray_address_variable_is_one_line(monkeypatch: pytest.MonkeyPatch)
 def test_submit_with_a_bad_preset_file_is_one_line(tmp_path: Path, preset: tuple) -> None:
     path = tmp_path / "mine.yaml"
     path.write_bytes(preset[1])
-    assert_one_error_line(runner.invoke(app, ["submit", "--dry-run", "--config", str(path)]), 1, str(path))
+    assert_one_error_line(runner.invoke(app, ["submit", "--dry-run", "--preset", str(path)]), 1, str(path))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -201,7 +201,8 @@ def test_shape_difference_in_words():
 
 def test_expected_shapes_are_those_of_the_loaded_models():
     """The meta-device models the resume check builds have exactly the loaded models' tensors."""
-    from cloudrl.trainer.models import load_causal_lm, load_value_model, materialize_builtin
+    from cloudrl.trainer.models import load_causal_lm, load_value_model
+    from cloudrl.trainer.demo import materialize_builtin
 
     path = materialize_builtin("tiny")
     for role, load in (("actor", load_causal_lm), ("critic", load_value_model)):
@@ -326,9 +327,9 @@ def test_status_ends_with_the_jobs_own_error():
                            metadata={}, message="Job entrypoint command failed with exit code 1")
     logs = "step 1/2 | rollout/reward_mean=0.5 | 1 s/step\nerror: reward.function=mine:fn raised KeyError: 'x'\n"
     calls = {"read job j1": info, "read the logs of j1": logs}
-    dash = SimpleNamespace(address=Address("http://127.0.0.1:8265", "default"),
+    client = SimpleNamespace(address=Address("http://127.0.0.1:8265", "default"),
                            call=lambda fn, what, job_id=None: calls[what])
-    text = jobs.status_text(dash, "j1")
+    text = jobs.status_text(client, "j1")
     assert text.splitlines()[-1] == "error:     reward.function=mine:fn raised KeyError: 'x'"
     assert "latest:    step 1/2" in text
 

@@ -19,7 +19,11 @@ runner = CliRunner()
 
 
 def test_the_bundle_passes():
-    assert validate_bundle(REPO_ROOT) == []
+    # Only the warning for the AMD image that could not be confirmed to exist (docs/cluster.md).
+    assert [str(p) for p in validate_bundle(REPO_ROOT)] == [
+        "warning: tasks/ray-cluster-amd.dstack.yml: image: vllm/vllm-openai-rocm:v0.32.0 was not confirmed to "
+        "exist when this bundle was written — check it with `docker manifest inspect vllm/vllm-openai-rocm:v0.32.0` "
+        "before `dstack apply`"]
     names = {p.relative_to(REPO_ROOT).as_posix() for p in bundle_files(REPO_ROOT)}
     assert {"tasks/ray-cluster.dstack.yml", "tasks/ray-cluster-groups.dstack.yml",
             "tasks/ray-cluster-amd.dstack.yml"} <= names
@@ -27,6 +31,7 @@ def test_the_bundle_passes():
     result = runner.invoke(app, ["validate", str(REPO_ROOT)])
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith(f"ok: {len(names)} files in fleets/ and tasks/ pass")
+    assert result.stderr.startswith("warning: tasks/ray-cluster-amd.dstack.yml: image:")
 
 
 def test_the_bootstrap_pins_cloudrls_ray():
@@ -177,14 +182,6 @@ BROKEN = [
           - pip install "ray[default]" && ray start --head --block
      """, f"tasks/broken.dstack.yml: commands[0]: installs 'ray[default]', not cloudrl's Ray {RAY_VERSION} — pin it: "
          f"'ray[default]=={RAY_VERSION}'"),
-    ("workers-first-possible", TASK, """
-        type: task
-        nodes: 2
-        files: [ray-bootstrap.sh:tasks/ray-bootstrap.sh]
-        commands: [bash tasks/ray-bootstrap.sh]
-     """, "tasks/broken.dstack.yml: startup_order: not set, so dstack may start workers before the Ray head — set "
-          "`startup_order: master-first` (or `any` to pull images on all nodes at once; the bootstrap's workers "
-          "retry either way)"),
     ("fleet-in-tasks", TASK, """
         type: fleet
         nodes: 1
@@ -218,8 +215,9 @@ def test_a_broken_yaml_fails_with_its_line(tmp_path, rel, text, line):
 
 
 def copy_bundle(root: Path) -> None:
-    for folder in ("fleets", "tasks"):
-        shutil.copytree(REPO_ROOT / folder, root / folder)
+    from test_bundle_mutations import copy_bundle as copy_with_shipped_files
+
+    copy_with_shipped_files(root)
 
 
 def test_a_bootstrap_with_another_ray_pin_fails_once_for_all_tasks_that_ship_it(tmp_path):
@@ -227,7 +225,7 @@ def test_a_bootstrap_with_another_ray_pin_fails_once_for_all_tasks_that_ship_it(
     script = tmp_path / "tasks" / "ray-bootstrap.sh"
     script.write_text(script.read_text().replace(f'CLOUDRL_RAY_VERSION="{RAY_VERSION}"',
                                                  'CLOUDRL_RAY_VERSION="2.59.0"'))
-    assert validate_bundle(tmp_path) == [Problem(
+    assert [p for p in validate_bundle(tmp_path) if not p.warning] == [Problem(
         "tasks/ray-bootstrap.sh", "CLOUDRL_RAY_VERSION",
         f"pins Ray 2.59.0 but cloudrl pins {RAY_VERSION}: the client on your machine would not match the cluster",
         f'set CLOUDRL_RAY_VERSION="{RAY_VERSION}" (cli/pins.py)')]
@@ -240,7 +238,7 @@ def test_a_bootstrap_without_a_ray_pin_fails(tmp_path):
     copy_bundle(tmp_path)
     script = tmp_path / "tasks" / "ray-bootstrap.sh"
     script.write_text(script.read_text().replace(f'CLOUDRL_RAY_VERSION="{RAY_VERSION}"\n', ""))
-    assert [str(p) for p in validate_bundle(tmp_path)] == [
+    assert [str(p) for p in validate_bundle(tmp_path) if not p.warning] == [
         f"tasks/ray-bootstrap.sh: CLOUDRL_RAY_VERSION: starts Ray without cloudrl's version pin — add "
         f'CLOUDRL_RAY_VERSION="{RAY_VERSION}" and install ray[default]==that']
 
@@ -251,7 +249,7 @@ def test_a_bootstrap_that_opens_the_dashboard_fails_with_its_line_number(tmp_pat
     text = script.read_text().replace("--dashboard-host=127.0.0.1", "--dashboard-host=0.0.0.0")
     script.write_text(text)
     number = next(n for n, line in enumerate(text.splitlines(), 1) if "--dashboard-host=0.0.0.0" in line)
-    assert [str(p) for p in validate_bundle(tmp_path)] == [
+    assert [str(p) for p in validate_bundle(tmp_path) if not p.warning] == [
         f"tasks/ray-bootstrap.sh: line {number}: the Ray dashboard listens on 0.0.0.0: anyone who reaches the "
         f"node can submit jobs — use --dashboard-host=127.0.0.1; dstack forwards the port through its SSH tunnel"]
 

@@ -159,20 +159,20 @@ def test_submit_follow_status_logs_list(cluster: Cluster, tmp_path: Path, monkey
 
 def test_job_runs_the_shipped_trainer_copy(cluster: Cluster, tmp_path: Path) -> None:
     """The cluster's Python could import the editable checkout; the job must use what submit ships."""
-    from cloudrl.cli.ray_api import Dashboard, resolve_address
+    from cloudrl.cli.ray_api import ClusterClient, resolve_address
 
     preset = tmp_path / "mypreset.yaml"
     preset.write_text("trainer:\n  total_steps: 1\n")
     req = submit_module.build_request(str(preset), [], "shipped-copy", [])
     assert req.preset_arg == "mypreset"
-    dash = Dashboard(resolve_address(cluster.url))
+    client = ClusterClient(resolve_address(cluster.url))
     package = submit_module.stage_package(tmp_path / "stage", req.preset_file)
     probe = ("import cloudrl.trainer, cloudrl.trainer.config as c; print('FILE', cloudrl.trainer.__file__); "
              "print('PRESET', c.load_config('mypreset').trainer.total_steps)")
-    job = dash.jobs.submit_job(entrypoint=f'python3 -c "{probe}"', submission_id=req.submission_id,
+    job = client.jobs.submit_job(entrypoint=f'python3 -c "{probe}"', submission_id=req.submission_id,
                                runtime_env=req.runtime_env(package, {}))
     assert wait_for_job_status(cluster.url, job, {"SUCCEEDED", "FAILED"}, 60) == "SUCCEEDED"
-    logs = dash.jobs.get_job_logs(job)
+    logs = client.jobs.get_job_logs(job)
     shipped = next(line.split(" ", 1)[1] for line in logs.splitlines() if line.startswith("FILE "))
     assert "runtime_resources" in shipped, shipped
     assert not shipped.startswith(str(Path(submit_module.__file__).resolve().parents[1]))

@@ -224,3 +224,57 @@ def test_no_import_cycle_among_cli_modules() -> None:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as exc:
         pytest.fail(f"import cycle among cloudrl.cli modules: {' -> '.join(exc.args[1])}")
+
+
+def test_the_private_ray_hook_is_where_ray_compat_expects_it():
+    """cli/ray_compat.py overrides Ray's private request method: an upgrade that moves it fails here."""
+    import importlib
+    import inspect
+
+    from cloudrl.cli.ray_compat import PRIVATE_HOOK, bounded_job_client
+
+    module, cls, method = PRIVATE_HOOK
+    hook = getattr(getattr(importlib.import_module(module), cls), method)
+    params = list(inspect.signature(hook).parameters)
+    assert params[:3] == ["self", "method", "endpoint"], params
+    assert inspect.Parameter.VAR_KEYWORD in [p.kind for p in inspect.signature(hook).parameters.values()]
+    from ray.job_submission import JobSubmissionClient
+
+    assert issubclass(JobSubmissionClient, getattr(importlib.import_module(module), cls))
+    assert callable(bounded_job_client)
+
+
+def test_the_typer_internals_typer_compat_relies_on():
+    """cli/typer_compat.py overrides Click's group hooks and catches Typer's usage errors."""
+    import typer
+    from typer.core import TyperGroup
+
+    from cloudrl.cli.typer_compat import OneLineErrors
+
+    for name in ("make_context", "invoke"):
+        assert name in vars(OneLineErrors) and callable(getattr(TyperGroup, name)), name
+    assert issubclass(typer.TyperException, Exception)
+    assert hasattr(typer.TyperException, "format_message") and hasattr(typer.TyperException, "exit_code")
+
+
+def test_the_cli_catches_one_error_class():
+    from cloudrl.cli.errors import CloudrlError
+    from cloudrl.trainer.errors import ConfigError, TrainerError
+
+    assert issubclass(CloudrlError, TrainerError) and issubclass(ConfigError, TrainerError)
+
+
+def test_the_bootstrap_installs_what_the_trainer_needs_beyond_the_image():
+    """pyproject.toml lists the trainer's dependencies; the bootstrap installs those a CUDA torch +
+    vLLM image lacks. A dependency added to one and not the other fails here."""
+    import re
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[1]
+    deps = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=\[ ;]", d, maxsplit=1)[0].lower() for d in deps}
+    in_image = {"torch", "transformers", "tokenizers"}  # the vLLM images ship them
+    cli_only = {"typer", "psutil"}  # the user's machine, not the cluster
+    line = re.search(r'^TRAINER_PACKAGES="([^"]*)"', (repo / "tasks" / "ray-bootstrap.sh").read_text(), re.M)
+    installed = {pair.split("=", 1)[1].lower() for pair in line.group(1).split()} | {"ray"}
+    assert names - in_image - cli_only == installed, (sorted(names), sorted(installed))

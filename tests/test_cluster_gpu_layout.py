@@ -139,11 +139,12 @@ def test_gsm8k_7b_layout_trains_on_the_rehearsal_cluster(gpu_nodes, tmp_path):
     # from the run's real starting weights.
     from safetensors.torch import load_file
 
+    from cloudrl.trainer.checkpoint import read_full
     from cloudrl.trainer.config import load_config
     from cloudrl.trainer.models import resolve_path
 
     exported = load_file(next(Path(summary["exported_model"]).glob("*.safetensors")))
-    final = torch.load(tmp_path / "checkpoints/step_000002/actor.pt", weights_only=False)["model"]
+    final = read_full(tmp_path / "checkpoints/step_000002", "actor")["model"]
     start_dir = resolve_path("builtin:tiny", load_config("gsm8k-7b", overrides))
     start = load_file(next(Path(start_dir).glob("*.safetensors")))
     assert {t.dtype for t in exported.values()} == {torch.bfloat16}

@@ -322,7 +322,7 @@ def _flat_keys(data: dict, prefix: str = "") -> list[str]:
     return keys
 
 
-@pytest.mark.parametrize("preset", ["local", "gsm8k-7b"])
+@pytest.mark.parametrize("preset", ["local", "gsm8k-7b", "search-r1"])
 def test_presets_load_and_use_only_known_keys(preset: str) -> None:
     cfg = load_config(preset)
     validate(cfg)
@@ -332,7 +332,7 @@ def test_presets_load_and_use_only_known_keys(preset: str) -> None:
 
 
 def test_every_shipped_preset_is_covered() -> None:
-    assert set(config_module.available_presets()) == {"local", "gsm8k-7b"}
+    assert set(config_module.available_presets()) == {"local", "gsm8k-7b", "search-r1"}
 
 
 def test_defaults_validate_and_round_trip() -> None:

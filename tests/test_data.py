@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from cloudrl.trainer.config import DataConfig
-from cloudrl.trainer.data import PromptLoader, PromptRecord, arithmetic_pairs, format_warmup_batches, load_prompts
+from cloudrl.trainer.data import PromptLoader, PromptRecord, load_prompts
+from cloudrl.trainer.demo import arithmetic_pairs, format_warmup_batches
 from cloudrl.trainer.errors import DataError
-from cloudrl.trainer.models import build_char_tokenizer
+from cloudrl.trainer.demo import build_char_tokenizer
 from cloudrl.trainer.rewards import gsm8k, score
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ from cloudrl.cli.data import GSM8K_TEMPLATE, gsm8k_final_answer  # noqa: E402
 from cloudrl.trainer.config import PRESET_DIR, DataConfig  # noqa: E402
 from cloudrl.trainer.data import load_prompts  # noqa: E402
 from cloudrl.trainer.errors import DataError  # noqa: E402
-from cloudrl.trainer.models import build_char_tokenizer  # noqa: E402
+from cloudrl.trainer.demo import build_char_tokenizer  # noqa: E402
 from cloudrl.trainer.rewards import gsm8k, score  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,7 +136,7 @@ OFFLINE_SCRIPT = textwrap.dedent("""
     from cloudrl.trainer.config import load_config
     from cloudrl.trainer.data import load_prompts
     from cloudrl.trainer.errors import DataError
-    from cloudrl.trainer.models import build_char_tokenizer
+    from cloudrl.trainer.demo import build_char_tokenizer
     from cloudrl.trainer.rewards import gsm8k, score
     from cloudrl.cli.data import write_dataset
 

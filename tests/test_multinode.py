@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
+from cloudrl.trainer import checkpoint
 from cloudrl.trainer.batch import build_batch, from_wire, update_shards
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.driver import train
-from cloudrl.trainer.group import ActorGroup, create_placement_group, plan_slots
 from cloudrl.trainer.models import resolve_path
-from cloudrl.trainer.placement import ClusterTooSmall, check_fits, plan
+from cloudrl.trainer.placement import ClusterTooSmall, check_fits, plan, plan_slots
+from cloudrl.trainer.roles import ActorGroup, create_placement_group
 from cloudrl.trainer.workers import PolicyWorker
 
 from conftest import tiny_overrides
@@ -114,9 +115,9 @@ def test_checkpoint_resumes_at_another_world_size(ray_local, tmp_path, first, th
     assert [w["sharded"] for w in placement["actor"]] == [first > 1] * first
     summary = train(load_config("local", tiny_overrides(mixed, **base, **workers(then), **{"trainer.total_steps": 3})))
     assert summary["resumed_from"] == 2
-    a = torch.load(straight / "checkpoints/step_000003/actor.pt", weights_only=False)["model"]
-    b = torch.load(mixed / "checkpoints/step_000003/actor.pt", weights_only=False)["model"]
-    start = torch.load(straight / "checkpoints/step_000001/actor.pt", weights_only=False)["model"]
+    a = checkpoint.read_full(straight / "checkpoints/step_000003", "actor")["model"]
+    b = checkpoint.read_full(mixed / "checkpoints/step_000003", "actor")["model"]
+    start = checkpoint.read_full(straight / "checkpoints/step_000001", "actor")["model"]
     assert any(not torch.equal(a[name], start[name]) for name in a)  # the last step trained
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
@@ -124,11 +125,11 @@ def test_checkpoint_resumes_at_another_world_size(ray_local, tmp_path, first, th
 
 def test_check_fits_messages_without_a_cluster():
     cfg = load_config("local", ["actor.nodes=2", "actor.workers_per_node=2", "actor.micro_batch_size=64"])
-    check_fits(cfg, [{"CPU": 4}, {"CPU": 4}])  # two nodes with room for two actor ranks each
+    check_fits(plan(cfg), [{"CPU": 4}, {"CPU": 4}])  # two nodes with room for two actor ranks each
     with pytest.raises(ClusterTooSmall, match="on 2 different nodes"):
-        check_fits(cfg, [{"CPU": 16}])
+        check_fits(plan(cfg), [{"CPU": 16}])
     with pytest.raises(ClusterTooSmall, match=r"asks for 8 h100 \(8 for actor"):
-        check_fits(load_config("local", ["actor.resources={h100: 8}"]), [{"CPU": 8}])
+        check_fits(plan(load_config("local", ["actor.resources={h100: 8}"])), [{"CPU": 8}])
 
 
 def test_a_worker_that_never_answers_ends_in_one_line(ray_local):

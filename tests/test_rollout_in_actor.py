@@ -121,32 +121,9 @@ def test_fsdp_sharded_gpu_actor_is_refused():
     assert "rollout" not in [r.role for r in plan(cfg)]
 
 
-def test_update_that_samples_ahead_is_an_update_followed_by_a_generate():
-    """The update call that also samples the next step's prompts: the same statistics and, sampled
-    after the update, the same completions as two separate calls; not those of the policy before it."""
-    from cloudrl.trainer.workers import PolicyWorker
-
-    cfg, model_path, _, prompts = _big_step_setup()
-    settings = SamplingSettings(n=2, max_new_tokens=6, seed=7)
-    shards, norms = update_shards(_fixed_batch(cfg, 32), 1, cfg.actor, seed=1)
-    separate, fused, untrained = (PolicyWorker(cfg.to_dict(), model_path) for _ in range(3))
-    for worker in (separate, fused, untrained):
-        worker.start_training()
-
-    plain = separate.update(shards[0], norms, 0.0)
-    assert plain.completions == [] and plain.sample_seconds == 0.0
-    expected = [c.token_ids for c in separate.generate(prompts, settings)]
-    fused = fused.update(shards[0], norms, 0.0, prompts, settings)
-    assert fused.stats == plain.stats
-    assert [c.token_ids for c in fused.completions] == expected
-    assert fused.sample_seconds > 0
-    assert [c.token_ids for c in untrained.generate(prompts, settings)] != expected
-
-
 def test_resumed_in_actor_run_matches_the_uninterrupted_one(ray_local, tmp_path):
-    """Steps 2 and 3 of a straight run are sampled inside the previous step's update call; a run
-    stopped after step 1 and resumed samples step 2 with a separate call. Same samples, same
-    losses either way, and every step reports its own rollout time."""
+    """A run stopped after step 1 and resumed samples steps 2 and 3 with the restored policy: same
+    samples, same losses as the straight run, and every step reports its own rollout time."""
     common = {"trainer.save_every": 1, "reward.in_driver": "true", "trainer.val_every": 0}
     _, straight = _run(tmp_path / "straight", **{"trainer.total_steps": 3, **common})
     _run(tmp_path / "resumed", **{"trainer.total_steps": 1, **common})
@@ -161,10 +138,3 @@ def test_resumed_in_actor_run_matches_the_uninterrupted_one(ray_local, tmp_path)
     for row in by_step.values():
         assert 0 < row["timing/rollout"] < row["timing/step"]
         assert 0 < row["timing/update_actor"] < row["timing/step"]
-    # Steps 1 and 2 sampled the next step's prompts inside their update call, timed on their own;
-    # the last step has no next step to sample.
-    for step in (1, 2):
-        row = by_step[step]
-        assert 0 < row["timing/sample_ahead"] < row["timing/update"]
-        assert row["timing/update_actor"] + row["timing/sample_ahead"] <= row["timing/update"]
-    assert "timing/sample_ahead" not in by_step[3]

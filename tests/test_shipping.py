@@ -146,14 +146,14 @@ def test_an_upload_over_the_limit_names_the_big_file(project: Path, tmp_path_fac
 
 def test_requirements_and_pip_reach_the_runtime_env(project: Path) -> None:
     (project / "requirements.txt").write_text("# deps\nsympy==1.13\n\nregex  # inline\n")
-    result = runner.invoke(app, ["submit", "--config", "my.yaml", "--dry-run", "-r", "requirements.txt",
+    result = runner.invoke(app, ["submit", "--preset", "my.yaml", "--dry-run", "-r", "requirements.txt",
                                  "--pip", "math-verify"])
     assert result.exit_code == 0, result.output
     assert "pip:\n    packages:\n    - sympy==1.13\n    - regex\n    - math-verify\n" in result.stdout
 
 
 def test_dry_run_lists_every_file_with_its_size(project: Path) -> None:
-    result = runner.invoke(app, ["submit", "--config", "my.yaml", "--dry-run"])
+    result = runner.invoke(app, ["submit", "--preset", "my.yaml", "--dry-run"])
     assert result.exit_code == 0, result.output
     listing = result.stdout.split("# files shipped as the job's working directory\n")[1].split("# job request")[0]
     lines = listing.strip().splitlines()
@@ -168,11 +168,11 @@ def test_oversized_or_missing_files_fail_in_one_line_before_any_cluster(project:
     monkeypatch.delenv("CLOUDRL_DEBUG", raising=False)
     # A dead address: had the command got as far as the cluster, the message would be about that instead.
     dead = ["--address", "http://127.0.0.1:9"]
-    missing = runner.invoke(app, ["submit", "--config", "my.yaml", *dead, "data.train_files=missing.jsonl"])
+    missing = runner.invoke(app, ["submit", "--preset", "my.yaml", *dead, "data.train_files=missing.jsonl"])
     assert missing.exit_code == 1
     assert len(missing.stderr.strip().splitlines()) == 1 and "missing.jsonl not found" in missing.stderr
     monkeypatch.setattr(shipping, "UPLOAD_LIMIT_BYTES", 1024)
     (project / "train.jsonl").write_bytes(random.Random(0).randbytes(20_000))
-    big = runner.invoke(app, ["submit", "--config", "my.yaml", *dead])
+    big = runner.invoke(app, ["submit", "--preset", "my.yaml", *dead])
     assert big.exit_code == 1
     assert len(big.stderr.strip().splitlines()) == 1 and "largest: train.jsonl" in big.stderr

@@ -55,7 +55,7 @@ def test_each_algorithm_changes_every_parameter(ray_local, tmp_path, algorithm):
     assert not unchanged, f"parameters the update never touched: {unchanged}"
 
     if algorithm == "ppo":  # the critic trained as well
-        critic = torch.load(tmp_path / "checkpoints" / "step_000002" / "critic.pt", weights_only=False)["model"]
+        critic = checkpoint.read_full(tmp_path / "checkpoints" / "step_000002", "critic")["model"]
         from cloudrl.trainer.models import load_value_model
 
         fresh = dict(load_value_model(resolve_path(cfg.model.path, cfg)).named_parameters())
@@ -80,7 +80,7 @@ def test_exported_model_loads_with_plain_transformers(ray_local, tmp_path):
 
     final = checkpoint.load(checkpoint.latest(tmp_path), ["actor"])
     assert final.state["step"] == 1
-    actor = final.parts["actor"]["model"]
+    actor = checkpoint.read_full(final.path, "actor")["model"]
     exported = load_file(os.path.join(summary["exported_model"], "model.safetensors"))
     assert sorted(exported) == sorted(actor)  # the tiny model unties its embeddings: nothing is left out
     for name, tensor in exported.items():
@@ -129,7 +129,7 @@ def test_each_algorithm_raises_the_reward(ray_local, tmp_path, algorithm):
 
 
 def _final_actor(run_dir, step) -> dict:
-    return torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "actor.pt", weights_only=False)
+    return checkpoint.read_full(run_dir / "checkpoints" / f"step_{step:06d}", "actor")
 
 
 def test_kill_and_resume_matches_uninterrupted_run(ray_local, tmp_path):

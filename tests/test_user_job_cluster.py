@@ -67,15 +67,15 @@ def step_means(log: str, key: str) -> list[float]:
 
 def test_readme_walk_runs_the_users_reward_and_data_on_both_nodes(cluster, user_dir: Path) -> None:
     readme = (REPO / "README.md").read_text()
-    for line in ("cloudrl submit --config my-job.yaml --dry-run", "cloudrl submit --config my-job.yaml --follow"):
+    for line in ("cloudrl submit --preset my-job.yaml --dry-run", "cloudrl submit --preset my-job.yaml --follow"):
         assert line in readme, f"README's cloud walk lost `{line}`"
 
-    dry = cloudrl(cluster, user_dir, "submit", "--config", "my-job.yaml", "--dry-run")
+    dry = cloudrl(cluster, user_dir, "submit", "--preset", "my-job.yaml", "--dry-run")
     assert dry.returncode == 0, dry.stdout + dry.stderr
     listing = dry.stdout.split("# files shipped as the job's working directory\n")[1].split("# job request")[0]
     assert [line.split()[-1] for line in listing.strip().splitlines()[:-1]] == ["my_reward.py", "train.jsonl"]
 
-    run = cloudrl(cluster, user_dir, "submit", "--config", "my-job.yaml", "--follow")
+    run = cloudrl(cluster, user_dir, "submit", "--preset", "my-job.yaml", "--follow")
     log = run.stdout + run.stderr
     assert run.returncode == 0 and "SUCCEEDED" in log, log[-6000:]
     # The roles ran on both nodes, and the built-in model made on the head was copied to the other one.
@@ -100,7 +100,7 @@ def test_readme_walk_runs_the_users_reward_and_data_on_both_nodes(cluster, user_
 
 def test_a_model_directory_and_a_package_only_on_the_users_machine_reach_every_node(cluster, user_dir: Path,
                                                                          tmp_path_factory) -> None:
-    from cloudrl.trainer.models import materialize_builtin
+    from cloudrl.trainer.demo import materialize_builtin
 
     # The user's model: a directory outside the job's directory, on the user's machine only.
     own = tmp_path_factory.mktemp("user-models") / "tiny-mine"
@@ -114,7 +114,7 @@ def test_a_model_directory_and_a_package_only_on_the_users_machine_reach_every_n
     # And the reward as a module of the user's own package, shipped with --workdir.
     (user_dir / "scoring").mkdir(exist_ok=True)
     (user_dir / "scoring" / "__init__.py").write_text("from my_reward import closeness  # noqa: F401\n")
-    run = cloudrl(cluster, user_dir, "submit", "--config", "my-job.yaml", "--follow", "--workdir", ".",
+    run = cloudrl(cluster, user_dir, "submit", "--preset", "my-job.yaml", "--follow", "--workdir", ".",
                   f"model.path={own}", "model.sft_warmup_steps=0", "trainer.total_steps=2",
                   "trainer.run_dir=runs/own-model", "reward.function=scoring:closeness")
     log = run.stdout + run.stderr
@@ -128,7 +128,7 @@ def test_a_model_directory_and_a_package_only_on_the_users_machine_reach_every_n
 def test_a_missing_file_or_an_oversized_upload_submits_nothing(cluster, user_dir: Path) -> None:
     before = cloudrl(cluster, user_dir, "list")
     assert before.returncode == 0, before.stderr
-    missing = cloudrl(cluster, user_dir, "submit", "--config", "my-job.yaml", "data.train_files=typo.jsonl")
+    missing = cloudrl(cluster, user_dir, "submit", "--preset", "my-job.yaml", "data.train_files=typo.jsonl")
     assert missing.returncode == 1
     assert missing.stderr.strip().splitlines() == [
         f"error: data.train_files: typo.jsonl not found (relative to {user_dir}): fix the path; a file that exists "
@@ -138,7 +138,7 @@ def test_a_missing_file_or_an_oversized_upload_submits_nothing(cluster, user_dir
         for _ in range(101):
             f.write(__import__("os").urandom(1024 * 1024))
     try:
-        over = cloudrl(cluster, user_dir, "submit", "--config", "my-job.yaml", "data.val_files=big.jsonl")
+        over = cloudrl(cluster, user_dir, "submit", "--preset", "my-job.yaml", "data.val_files=big.jsonl")
     finally:
         big.unlink()
     assert over.returncode == 1

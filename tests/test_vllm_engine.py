@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cloudrl.trainer.config import ConfigError, load_config
-from cloudrl.trainer.models import load_causal_lm, load_tokenizer, materialize_builtin, resolve_path
+from cloudrl.trainer.models import load_causal_lm, load_tokenizer, resolve_path
+from cloudrl.trainer.demo import materialize_builtin
 from cloudrl.trainer.rollout import HFEngine, SamplingSettings
 
 pytestmark = [
@@ -234,12 +235,12 @@ def test_missing_vllm_is_a_config_error(monkeypatch):
 
 
 def test_tensor_parallel_wider_than_a_node_fails_before_any_actor():
-    from cloudrl.trainer.placement import ClusterTooSmall, check_fits
+    from cloudrl.trainer.placement import ClusterTooSmall, check_fits, plan
 
     cfg = load_config("local", ["rollout.engine=vllm", "rollout.tensor_parallel_size=4", "rollout.gpus_per_engine=1"])
     nodes = [{"CPU": 16.0, "GPU": 2.0} for _ in range(4)]  # 8 GPUs, but 2 per node
     with pytest.raises(ClusterTooSmall, match=r"rollout needs .*4 GPU on one node.*tensor_parallel_size=4"):
-        check_fits(cfg, nodes)
+        check_fits(plan(cfg), nodes)
 
 
 def test_weight_sync_client_gives_each_engine_its_own_nccl_ranks(monkeypatch):

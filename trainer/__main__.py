@@ -27,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = _Parser(prog="python -m cloudrl.trainer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", "-c", default="local", help="preset name in trainer/presets, or a YAML file")
+    parser.add_argument("--preset", "-p", default="local", help="preset name in trainer/presets, or a YAML file")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. actor.lr=1e-6")
     return parser.parse_args(argv)
@@ -43,11 +43,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = load_config(args.preset, args.overrides)
-        from .cluster import cluster_address, connect, preflight
-
-        if cluster_address(cfg):  # joining a cluster: check it can hold the config before anything heavy
-            connect(cfg)
-            preflight(cfg)
         from .driver import train
 
         train(cfg)

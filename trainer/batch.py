@@ -4,6 +4,8 @@ Layout (N sequences, P prompt positions, R response positions):
     input_ids       [N, P+R]  left-padded prompt, then right-padded response
     attention_mask  [N, P+R]  1 on real tokens
     response_mask   [N, R]    1 on real response tokens
+    loss_mask       [N, R]    multi-turn rollouts only: 1 on generated response tokens, 0 on the
+                              observations the trainer inserted and on padding (see multiturn.py)
 Roles add per-token tensors of shape [N, R] (logprobs, ref_logprobs, values, advantages, ...).
 
 Also how a step's batch is split between workers: `update_shards` (mini-batches per rank, with the
@@ -86,8 +88,10 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                engine_logprobs: list[list[float]] | None = None) -> Batch:
-    """Pack prompt and response token ids into the padded layout above."""
+                engine_logprobs: list[list[float]] | None = None,
+                loss_masks: list[list[int] | None] | None = None) -> Batch:
+    """Pack prompt and response token ids into the padded layout above. `loss_masks` (a Completion's
+    `loss_mask` each; None for an all-generated response) adds `loss_mask` when any is given."""
     width_p = max(len(p) for p in prompts)
     width_r = max(1, max(len(r) for r in responses))
     input_ids = torch.tensor([[pad_id] * (width_p - len(p)) + p + r + [pad_id] * (width_r - len(r))
@@ -102,6 +106,10 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
     if engine_logprobs is not None:
         batch["engine_logprobs"] = torch.tensor(
             [lp[:len(r)] + [0.0] * (width_r - len(r)) for lp, r in zip(engine_logprobs, responses)],
+            dtype=torch.float32)
+    if loss_masks is not None and any(m is not None for m in loss_masks):
+        batch["loss_mask"] = torch.tensor(
+            [(m if m is not None else [1] * len(r)) + [0] * (width_r - len(r)) for m, r in zip(loss_masks, responses)],
             dtype=torch.float32)
     return batch
 

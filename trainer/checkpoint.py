@@ -1,21 +1,25 @@
 """Atomic checkpoints in `run_dir/checkpoints/step_NNNNNN/`.
 
 A checkpoint is written into a hidden temporary directory, flushed to disk, then renamed into place,
-so a crash mid-save leaves the previous checkpoint as the latest one. The driver writes everything
-(workers hand their full, unsharded state over Ray), so only the driver's disk needs to persist, and
-a checkpoint loads into any number of workers.
+so a crash mid-save (even a SIGKILL) leaves the previous checkpoint as the latest one. Each trained
+role is a sharded torch.distributed.checkpoint (DCP) directory: every rank writes its own shard of the
+weights and optimizer state in parallel, straight into the temporary directory when its node sees it
+(the driver's node, a shared volume), else through Ray to the driver (shards.py). No process ever holds
+more than its own shard, and the shards load into any number of ranks (resharded on load).
 
     step_000010/
-      actor.pt         policy weights, optimizer and LR-scheduler state
-      critic.pt        the same for the value model (PPO only)
+      actor/           DCP: .metadata and one __<rank>_0.distcp file per writing rank
+      actor.json       LR-scheduler state
+      critic/, critic.json   the same for the value model (PPO only)
       trainer.json     step, data position, KL coefficient, metrics history
       rng.pt           the driver's RNG states
       config.yaml      the resolved config of the run
       manifest.json    every file's size in bytes, written last
 
+Checkpoints of the older single-file layout (`actor.pt`: full state from rank 0) still resume.
 Before a resume starts any actor, the checkpoint is checked: each file's size against the manifest (a
-truncated copy), every file readable (tensors are memory-mapped, not read), the algorithm it was saved by,
-and its parameter names and shapes against the models this run loads.
+truncated copy), every file readable (tensors are memory-mapped or only their metadata read), the
+algorithm it was saved by, and its parameter names and shapes against the models this run loads.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import shutil
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -34,6 +40,7 @@ from .errors import CheckpointError
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
+DCP_METADATA = ".metadata"
 FRESH_START = "pick a new trainer.run_dir"
 
 
@@ -70,19 +77,24 @@ def latest(run_dir: str) -> Path | None:
 
 
 def save(run_dir: str, step: int, parts: dict[str, dict], trainer_state: dict, config_yaml: str,
-         keep_last: int) -> Path:
+         keep_last: int, write_shards: Callable[[Path], None] | None = None) -> Path:
+    """Write a checkpoint atomically. `write_shards(tmp)` has the workers write their sharded roles
+    into the temporary directory (shards.save_roles); `parts` are full states saved as `<role>.pt`."""
     root = checkpoint_root(run_dir)
     final = root / f"{PREFIX}{step:06d}"
-    tmp = root / f".{final.name}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in root.glob(f".{PREFIX}*.tmp*"):  # left by a process killed mid-save
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".{final.name}.tmp{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir(parents=True)
     try:
+        if write_shards is not None:
+            write_shards(tmp)
         for name, state in parts.items():
             torch.save(state, tmp / f"{name}.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
-        sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+        sizes = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         (tmp / MANIFEST).write_text(json.dumps({"files": sizes}, indent=1))
         _fsync_dir(tmp)
         if final.exists():  # a re-run of the same step replaces it
@@ -92,6 +104,9 @@ def save(run_dir: str, step: int, parts: dict[str, dict], trainer_state: dict, c
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint {final} failed ({exc}): check the disk under trainer.run_dir") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     for old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -101,24 +116,60 @@ def save(run_dir: str, step: int, parts: dict[str, dict], trainer_state: dict, c
 class Checkpoint:
     path: Path
     parts: dict[str, dict]
-    """Per trained role ("actor", "critic"): {"model", "optimizer", "scheduler"} state, memory-mapped."""
+    """Roles saved in the single-file layout: {"model", "optimizer", "scheduler"} state, memory-mapped."""
     state: dict
     """trainer.json: step, data position, KL coefficient, history."""
     rng: dict
     """The driver's RNG states."""
     saved_config: dict
     """The config.yaml it was saved with ({} when absent)."""
+    sharded: dict[str, Path] = field(default_factory=dict)
+    """Roles saved as DCP directories: role -> directory."""
+    shapes: dict[str, dict[str, tuple]] = field(default_factory=dict)
+    """Per saved role, its parameter shapes (from the DCP metadata or the memory-mapped file)."""
+
+    def has(self, role: str) -> bool:
+        return role in self.parts or role in self.sharded
 
 
 def load(path: Path, names: list[str]) -> Checkpoint:
-    """Read a checkpoint after checking its files against the manifest; CheckpointError names the file."""
+    """Read a checkpoint after checking its files against the manifest; CheckpointError names the file.
+    Sharded roles are only described here (their metadata read); the workers read their own shards."""
     import yaml
 
     _check_sizes(path)
     parts = {name: _read(path / f"{name}.pt") for name in names if (path / f"{name}.pt").exists()}
+    sharded = {name: path / name for name in names if (path / name / DCP_METADATA).exists()}
+    shapes = {name: {k: tuple(v.shape) for k, v in part.get("model", {}).items()} for name, part in parts.items()}
+    for name, directory in sharded.items():
+        shapes[name] = _read(directory / DCP_METADATA, model_shapes, text=False)
     state = _read(path / "trainer.json", json.loads)
     saved = _read(path / "config.yaml", yaml.safe_load) if (path / "config.yaml").exists() else {}
-    return Checkpoint(path, parts, state, _read(path / "rng.pt"), saved or {})
+    return Checkpoint(path, parts, state, _read(path / "rng.pt"), saved or {}, sharded, shapes)
+
+
+def model_shapes(metadata: Path) -> dict[str, tuple]:
+    """Parameter shapes of a DCP role directory, from its `.metadata` file alone (no tensor read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    entries = FileSystemReader(str(metadata.parent)).read_metadata().state_dict_metadata
+    return {k[len("model."):]: tuple(v.size) for k, v in entries.items() if k.startswith("model.") and hasattr(v, "size")}
+
+
+def read_full(path: Path, role: str) -> dict:
+    """A role's whole state ({"model", "optimizer", "scheduler"}) in this process, from either layout.
+    For tests, tools and inspection: training never gathers it."""
+    if (path / f"{role}.pt").exists():
+        return torch.load(path / f"{role}.pt", map_location="cpu", weights_only=False)
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(path / role)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    state["scheduler"] = json.loads((path / f"{role}.json").read_text())
+    return state
 
 
 def _check_sizes(path: Path) -> None:
@@ -133,9 +184,12 @@ def _check_sizes(path: Path) -> None:
                                   f"incomplete copy): {_other_checkpoint(path)}")
 
 
-def _read(file: Path, parse=None):
-    """A checkpoint file: tensors memory-mapped (the driver reads them only when sending them), text parsed."""
+def _read(file: Path, parse=None, text: bool = True):
+    """A checkpoint file: tensors memory-mapped (the driver reads them only when sending them), text
+    parsed, other files handed to `parse` by path (text=False)."""
     try:
+        if not text:
+            return parse(file)
         if parse is None:
             if not zipfile.is_zipfile(file):  # else torch blames the mmap option
                 raise ValueError("not a torch.save archive")
@@ -161,17 +215,18 @@ def check_matches(ckpt: Checkpoint, cfg, shapes: dict[str, dict[str, tuple]]) ->
         raise CheckpointError(f"checkpoint {ckpt.path} was saved by an algorithm.name={saved_alg} run and this "
                               f"run sets algorithm.name={alg}: resume it with algorithm.name={saved_alg}, or "
                               f"{FRESH_START} (trainer.resume=never)")
-    if cfg.uses_critic and "critic" not in ckpt.parts:
+    if cfg.uses_critic and not ckpt.has("critic"):
         raise CheckpointError(f"checkpoint {ckpt.path} has no critic.pt (it was saved without a critic) but "
                               f"algorithm.name={alg} trains one: resume it with a critic-less algorithm, or "
                               f"{FRESH_START} (trainer.resume=never)")
     for role, expected in shapes.items():
-        if role in ckpt.parts:
-            diff = shape_difference({k: tuple(v.shape) for k, v in ckpt.parts[role]["model"].items()}, expected)
+        if role in ckpt.shapes:
+            diff = shape_difference(ckpt.shapes[role], expected)
             if diff:
                 source = (f"critic.model_path={cfg.critic.model_path}" if role == "critic" and cfg.critic.model_path
                           else f"model.path={cfg.model.path}")
-                raise CheckpointError(f"checkpoint {ckpt.path / (role + '.pt')} does not fit the {role} model of "
+                where = ckpt.sharded.get(role, ckpt.path / f"{role}.pt")
+                raise CheckpointError(f"checkpoint {where} does not fit the {role} model of "
                                       f"{source}: {diff} (another model size?): resume with the model it was "
                                       f"trained from, or {FRESH_START} (trainer.resume=never)")
 
@@ -230,7 +285,9 @@ def set_rng_state(state: dict) -> None:
 
 def _fsync_dir(path: Path) -> None:
     for f in path.iterdir() if path.is_dir() else []:
-        if f.is_file():
+        if f.is_dir():
+            _fsync_dir(f)
+        elif f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
     fd = os.open(path, os.O_RDONLY)

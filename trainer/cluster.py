@@ -1,7 +1,7 @@
 """Joining the Ray cluster, and the preflight against it.
 
-Imports nothing heavy (no torch, no transformers), so `python -m cloudrl.trainer` joining a cluster
-that is too small for the config fails in seconds, before the model stack is even imported.
+`driver.train` plans the roles once (`placement.plan`), connects, and runs `preflight` before any
+placement group or actor exists, so a cluster too small for the config fails in seconds.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import socket
 
 from .config import Config, ConfigError
 from .errors import ClusterUnreachable
-from .placement import RoleRequest, check_fits, plan
+from .placement import RoleRequest, check_fits
 
 PROBE_TIMEOUT_S = 3.0
 """How long the GCS port may take to accept a TCP connection before the address counts as dead
@@ -29,8 +29,9 @@ def cluster_address(cfg: Config) -> str:
     return address
 
 
-def connect(cfg: Config) -> bool:
-    """Join the cluster this job runs on, or start a local Ray instance. True if we started one."""
+def connect(cfg: Config, requests: list[RoleRequest]) -> bool:
+    """Join the cluster this job runs on, or start a local Ray instance sized for `requests` (the
+    placement plan). True if we started one."""
     import ray
 
     if ray.is_initialized():
@@ -46,7 +47,7 @@ def connect(cfg: Config) -> bool:
             raise unreachable(address, source, f"it accepts connections but is no Ray GCS: {exc}") from exc
         return False
     # Logical CPUs: the roles take turns within a step, so a 2-core laptop can host all of them.
-    needed = math.ceil(sum(r.total("CPU") for r in plan(cfg)))
+    needed = math.ceil(sum(r.total("CPU") for r in requests))
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **quiet)
     return True
 
@@ -77,6 +78,6 @@ def alive_nodes() -> list[dict[str, float]]:
     return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
 
 
-def preflight(cfg: Config) -> list[RoleRequest]:
+def preflight(requests: list[RoleRequest]) -> None:
     """Raise ClusterTooSmall unless the connected cluster can hold every role at once."""
-    return check_fits(cfg, alive_nodes())
+    check_fits(requests, alive_nodes())

@@ -113,8 +113,31 @@ class RolloutConfig:
     """Reweight the policy loss with truncated importance weights (trainer vs engine log-probs)."""
     logprob_correction_cap: float = 2.0
     """Upper bound of those importance weights."""
+    policy_lag: int = 0
+    """1: the engines generate the next step's rollouts (with the weights before this step's update)
+    while this step trains, and the lag is corrected with the importance weights above; 0: in turn."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per engine, e.g. {h100: 1} to pin engines to nodes started with them."""
+
+
+@dataclass
+class SearchConfig:
+    enabled: bool = False
+    """Multi-turn rollouts with a search tool (<search>q</search> -> <information>...</information>); docs/search-r1.md."""
+    url: str = "http://127.0.0.1:8000/retrieve"
+    """Retriever each rollout worker queries (127.0.0.1: the one on its own node)."""
+    topk: int = 3
+    """Passages per search call."""
+    max_turns: int = 4
+    """Search calls answered per sample, invalid ones included (one last turn follows)."""
+    max_response_tokens: int = 256
+    """Whole response budget: generated plus observation tokens (rollout.max_new_tokens is per turn)."""
+    max_obs_tokens: int = 128
+    """Tokens per observation; longer passages are cut."""
+    timeout_s: float = 10.0
+    """Per-request timeout of the retrieval client."""
+    retries: int = 2
+    """Retries of a request that timed out or found no server."""
 
 
 @dataclass
@@ -267,6 +290,12 @@ class TrainerConfig:
     """Ray cluster to join; empty = the one the job was submitted to, or a new local one."""
     worker_timeout_s: float = 600.0
     """Longest wait for a worker to start, join its process group or finish a weight sync (then stop with a line)."""
+    checkpoint_uri: str = ""
+    """Also keep checkpoints here (s3://bucket/prefix, gs://..., via fsspec; credentials from the environment): uploaded after each save, fetched on resume=auto."""
+    max_restarts: int = 3
+    """Times the run restarts its roles from the latest checkpoint after losing a worker, engine or node (0 = never)."""
+    restart_wait_s: float = 600.0
+    """Before a restart, longest wait for the cluster to have the capacity the config needs again (a replacement node)."""
 
 
 @dataclass
@@ -274,6 +303,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -287,6 +317,11 @@ class Config:
     def rollout_batch_size(self) -> int:
         """Sequences generated per step."""
         return self.data.train_batch_size * self.rollout.n
+
+    @property
+    def corrects_logprobs(self) -> bool:
+        """The loss is reweighted by trainer-vs-sampler importance weights (asked for, or lagging rollouts)."""
+        return self.rollout.logprob_correction or self.rollout.policy_lag > 0
 
     @property
     def uses_critic(self) -> bool:

@@ -170,9 +170,16 @@ RANGES: dict[str, Range] = {
     "rollout.gpus_per_engine": NON_NEGATIVE,
     "rollout.cpus_per_engine": NON_NEGATIVE,
     "rollout.gpu_memory_utilization": FRACTION,
+    "rollout.policy_lag": Range(0, 1, hint="0 generates in turn with training, 1 keeps one batch in flight"),
     "rollout.logprob_correction_cap": Range(1, hint="it caps importance weights; below 1 it would shrink "
                                                     "even on-policy tokens"),
     "rollout.resources": NON_NEGATIVE,
+    "search.topk": Range(1, 100),
+    "search.max_turns": NON_NEGATIVE,
+    "search.max_response_tokens": COUNT,
+    "search.max_obs_tokens": Range(32, hint="an observation needs room for its tags and some text"),
+    "search.timeout_s": POSITIVE,
+    "search.retries": NON_NEGATIVE,
     "algorithm.gamma": UNIT,
     "algorithm.lam": UNIT,
     "algorithm.kl_coef": NON_NEGATIVE,
@@ -196,6 +203,8 @@ RANGES: dict[str, Range] = {
     "trainer.keep_last": COUNT,
     "trainer.val_every": NON_NEGATIVE,
     "trainer.worker_timeout_s": POSITIVE,
+    "trainer.max_restarts": NON_NEGATIVE,
+    "trainer.restart_wait_s": NON_NEGATIVE,
 }
 
 
@@ -228,9 +237,26 @@ def validate(cfg: Any) -> None:
         raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
     if cfg.placement.rollout_in_actor:
         _check_rollout_in_actor(cfg)
+    if r.policy_lag:
+        _check_policy_lag(cfg)
+    if cfg.search.enabled and cfg.placement.rollout_in_actor:
+        raise ConfigError("search.enabled=true runs its turns in rollout workers: set placement.rollout_in_actor=false")
     if cfg.reward.in_driver and cfg.reward.model_path:
         raise ConfigError("reward.in_driver=true scores rule-based rewards only, but reward.model_path is set: "
                           "drop one of them (a reward model runs in reward workers)")
+
+
+def _check_policy_lag(cfg: Any) -> None:
+    """Rollouts generated while the policy trains need engines of their own that stay awake."""
+    p = cfg.placement
+    if p.rollout_in_actor or p.colocate_all:
+        key = "placement.rollout_in_actor" if p.rollout_in_actor else "placement.colocate_all"
+        raise ConfigError(f"rollout.policy_lag=1 generates while the actor trains, but {key}=true puts generation "
+                          f"on the actor's own {'workers' if p.rollout_in_actor else 'GPUs'}: set {key}=false, or "
+                          f"rollout.policy_lag=0")
+    if cfg.rollout.sleep_between_rollouts:
+        raise ConfigError("rollout.policy_lag=1 keeps the engines generating while the actor trains: set "
+                          "rollout.sleep_between_rollouts=false, or rollout.policy_lag=0")
 
 
 def _check_rollout_in_actor(cfg: Any) -> None:

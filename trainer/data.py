@@ -1,4 +1,5 @@
-"""Prompt datasets: verl-style JSONL/Parquet files, Hugging Face datasets and the built-in arithmetic task.
+"""Prompt datasets: verl-style JSONL/Parquet files, Hugging Face datasets and the built-in arithmetic task
+(its problems come from demo.py).
 
     records = load_prompts("data/train.parquet,hf:openai/gsm8k:main@train", tokenizer, data_cfg=cfg.data, seed=1)
     loader = PromptLoader(records, batch_size=16, shuffle=True, seed=1)
@@ -18,15 +19,13 @@ import json
 import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
-
-import torch
+from typing import Any
 
 from .config import DataConfig
-from .errors import DataError
+from .demo import BUILTIN_ARITHMETIC, arithmetic_problems
+from .errors import DataError, first_line
 from .hub_data import HF_PREFIX, load_rows, parse_ref
 
-BUILTIN_ARITHMETIC = "builtin:arithmetic"
 # Names the reward call passes itself; a file column with one of these names stays out of `extra`.
 RESERVED_COLUMNS = ("completions", "prompts", "ground_truth", "data_source")
 
@@ -165,7 +164,7 @@ def _read_parquet(path: Path) -> list[tuple[str, dict]]:
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        first = first_line(exc, exc.__class__.__name__)
         raise DataError(f"{path}: not a readable Parquet file ({first}): rewrite it with pyarrow or pandas") from None
     return _plain_rows(table.to_pylist())
 
@@ -233,27 +232,6 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# ----------------------------------------------------------------------------------------------
-# The built-in verifiable task: `a+b=` -> `a+b`
-# ----------------------------------------------------------------------------------------------
-
-
-def arithmetic_pairs(max_operand: int) -> list[tuple[int, int]]:
-    """Every distinct (a, b) with 0 <= a, b <= max_operand, in a fixed order."""
-    return [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
-
-
-def arithmetic_problems(cfg: DataConfig, split: str, seed: int) -> list[tuple[int, int]]:
-    """The built-in task's (a, b) pairs: `arithmetic_size` seeded draws, or every pair once for "val"."""
-    # The task is tiny, so "val" is not disjoint from "train": it is every pair once, in a fixed
-    # order, which makes validation accuracy comparable across runs and seeds.
-    if split == "val":
-        return arithmetic_pairs(cfg.arithmetic_max_operand)
-    rng = random.Random(seed)
-    top = cfg.arithmetic_max_operand
-    return [(rng.randint(0, top), rng.randint(0, top)) for _ in range(cfg.arithmetic_size)]
-
-
 def _arithmetic_records(tokenizer, cfg: DataConfig, split: str, seed: int, max_len: int) -> list[PromptRecord]:
     pairs = arithmetic_problems(cfg, split, seed)
     if not pairs:
@@ -265,38 +243,6 @@ def _arithmetic_records(tokenizer, cfg: DataConfig, split: str, seed: int, max_l
         ids, text = _left_truncate(tokenizer, ids, text, max_len)
         records.append(PromptRecord(ids, text, str(a + b), "arithmetic", {}))
     return records
-
-
-def format_warmup_batches(tokenizer, max_operand: int, seed: int,
-                          batch_size: int = 64) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Endless `(input_ids, attention_mask, labels)` batches, each [batch_size, T] int64, for a
-    supervised warm-up on the built-in task's answer FORMAT only.
-
-    Each row is `a+b=` then a uniformly random integer in 0..2*max_operand (not a+b) then EOS,
-    right-padded. `labels` copy the answer and EOS tokens and are -100 on the prompt and padding,
-    so the model learns "a number, then stop" but nothing about which number is right.
-    """
-    rng = random.Random(seed)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = tokenizer.eos_token_id
-    while True:
-        rows = []
-        for _ in range(batch_size):
-            a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-            answer = rng.randint(0, 2 * max_operand)
-            prompt = _encode(tokenizer, [f"{a}+{b}="], add_special_tokens=True)[0]
-            target = _encode(tokenizer, [str(answer)], add_special_tokens=False)[0] + [eos]
-            rows.append((prompt, target))
-        width = max(len(p) + len(t) for p, t in rows)
-        input_ids = torch.full((batch_size, width), pad, dtype=torch.long)
-        attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)
-        for i, (prompt, target) in enumerate(rows):
-            n, m = len(prompt), len(target)
-            input_ids[i, : n + m] = torch.tensor(prompt + target)
-            attention_mask[i, : n + m] = 1
-            labels[i, n : n + m] = torch.tensor(target)
-        yield input_ids, attention_mask, labels
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
     rollout -> rewards -> reference log-probs and values -> advantages -> update actor and critic
     -> push the new weights to the rollout engines -> log
 
-`train(cfg)` first runs every check that needs no cluster (inputs.py: run directory, checkpoint,
-model, data, reward function), then joins the Ray cluster (or starts a local one), starts the roles and
-always shuts them down again; a worker's expected failure ends the run with its own one line.
+`train(cfg)` plans what each role asks of the cluster (placement.py), joins the Ray cluster (or starts
+a local one) and checks that it can hold them, then runs the checks and loads that need no cluster
+(inputs.py: run directory, checkpoint, model, data, reward function), starts the roles and always
+shuts them down again; a worker's expected failure ends the run with its own one line.
 """
 
 from __future__ import annotations
@@ -20,46 +21,50 @@ import torch
 from . import checkpoint
 from . import ppo_math as pm
 from .batch import Batch, build_batch, split_batch, split_evenly, update_shards
-from .cluster import connect
+from .cluster import connect, preflight
 from .config import Config
 from .data import PromptLoader, PromptRecord
 from .inputs import Inputs, prepare
 from .metrics import MetricsLogger, Timer, combine, format_summary, print_sample
-from .rewards import resolve_reward_fn, score_responses
+from .rewards import score_responses
+from .multiturn import turn_metrics
 from .rollout import SamplingSettings
+from .rollout_queue import RolloutQueue
+from .recovery import StopRequest, run_with_restarts
 from .run_dir import record_start
+from .shards import load_roles, save_roles
+from .storage import fetch_checkpoint, upload_if_configured
 from .waiting import get_all, worker_errors
 
 
 def train(cfg: Config) -> dict:
     """Run the whole training job and return its summary."""
-    from .group import launch_roles
+    from .placement import plan
+    from .roles import launch_roles
 
-    inputs = prepare(cfg)
-    print("cloudrl trainer, resolved config:\n" + cfg.to_yaml(), flush=True)
-    started_ray = connect(cfg)
+    requests = plan(cfg)  # what each role asks of the cluster, decided here once
+    started_ray = connect(cfg, requests)
     try:
-        with worker_errors():  # a worker's expected failure ends the run with its own line
-            roles = launch_roles(cfg, inputs.model_path, inputs.critic_path)
-            try:
+        preflight(requests)  # a cluster too small fails in seconds, before anything heavy
+        fetch_checkpoint(cfg)  # trainer.checkpoint_uri: its newest copy when newer than run_dir's (storage.py)
+        inputs = prepare(cfg)
+        print("cloudrl trainer, resolved config:\n" + cfg.to_yaml(), flush=True)
+        with worker_errors(), StopRequest() as stop:  # a worker's expected failure ends the run with its own line
+
+            def run(roles, restarts: int) -> dict:
                 record_start(cfg, roles)
-                return Trainer(cfg, roles, inputs).fit()
-            finally:
-                roles.shutdown()
+                trainer = Trainer(cfg, roles, inputs)
+                trainer.restarts, trainer.stop = restarts, stop
+                return trainer.fit()
+
+            # A lost worker or node: roles restarted from the latest checkpoint (recovery.py).
+            return run_with_restarts(cfg, requests, inputs,
+                                     lambda: launch_roles(cfg, requests, inputs.model_path, inputs.critic_path), run)
     finally:
         if started_ray:
             import ray
 
             ray.shutdown()
-
-
-@dataclass
-class SampledAhead:
-    """The next step's completions, sampled by the actor ranks right after this step's update
-    (`placement.rollout_in_actor`): the same seed, so the same samples as a separate call."""
-
-    prompt_ids: list[list[int]]
-    completions: list
 
 
 @dataclass
@@ -74,17 +79,22 @@ class History:
 
 
 class Trainer:
+    restarts = 0
+    """Restarts after a lost worker or node so far (recovery.py), logged as trainer/restarts."""
+    stop = None
+    """The StopRequest that SIGTERM sets (recovery.py); None: not watched."""
+
     def __init__(self, cfg: Config, roles, inputs: Inputs):
         self.cfg, self.roles, self.inputs = cfg, roles, inputs
         self.tokenizer = inputs.tokenizer
-        self.reward_fn = resolve_reward_fn(cfg.reward.function) if cfg.reward.in_driver else None
+        self.reward_fn = inputs.reward_fn if cfg.reward.in_driver else None
         self.loader = PromptLoader(inputs.train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
         a = cfg.algorithm
         self.kl_ctl = (pm.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target > 0
                        else pm.FixedKLController(a.kl_coef))
         self.history = History()
         self.step = 0
-        self.sampled_ahead: SampledAhead | None = None
+        self.rollouts = RolloutQueue(roles.rollout.workers)
         self.gpu_weight_sync = self.open_gpu_weight_sync()
 
     # ------------------------------------------------------------------------------------------
@@ -100,6 +110,7 @@ class Trainer:
             while self.step < cfg.trainer.total_steps:
                 self.step += 1
                 metrics = self.ppo_step(self.loader.next_batch())
+                metrics["trainer/restarts"] = self.restarts
                 if self.inputs.val and cfg.trainer.val_every and self.step % cfg.trainer.val_every == 0:
                     metrics.update(self.validate())
                 if self.step == cfg.trainer.total_steps and self.inputs.val and "val/reward_mean" not in metrics:
@@ -107,9 +118,10 @@ class Trainer:
                 if "val/reward_mean" in metrics:
                     self.history.val_last = metrics["val/reward_mean"]
                 logger.log(self.step, metrics)
-                save_every = cfg.trainer.save_every
-                if (save_every and self.step % save_every == 0) or self.step == cfg.trainer.total_steps:
+                if self.saves_at(self.step):
                     last_ckpt = self.save_checkpoint()
+                if self.stop is not None and self.stop.requested and self.step < cfg.trainer.total_steps:
+                    self.stop.checkpoint_and_stop(self, last_ckpt)  # SIGTERM: this step saved, then stop
         finally:
             logger.close()
         return self.finish(last_ckpt)
@@ -122,16 +134,16 @@ class Trainer:
         n = cfg.rollout.n
         kl_coef = self.kl_ctl.value
         with timer("step"):
-            # ---- 1. Rollout: n samples per prompt, grouped per prompt. With the rollout inside the
-            #      actor, the previous step's update call has usually sampled them already.
+            # ---- 1. Rollout: n samples per prompt, grouped per prompt. With rollout.policy_lag=1
+            #      they were started during the previous step, and the next step's start now.
             with timer("rollout"):
                 prompt_ids = [p.prompt_ids for p in prompts]
-                completions = self.take_sampled_ahead(prompt_ids)
-                if completions is None:
-                    completions = self.generate(prompt_ids, self.sampling(self.step))
+                completions, lag = self.rollouts.take(self.step, prompt_ids, self.sampling(self.step))
+                self.start_next_rollout()
                 records = [p for p in prompts for _ in range(n)]
                 batch = build_batch([r.prompt_ids for r in records], [c.token_ids for c in completions],
-                                    self.tokenizer.pad_token_id, [c.logprobs for c in completions])
+                                    self.tokenizer.pad_token_id, [c.logprobs for c in completions],
+                                    [c.loss_mask for c in completions])
                 if cfg.rollout.sleep_between_rollouts:
                     ray.get([e.sleep.remote() for e in roles.rollout.workers])
 
@@ -166,36 +178,29 @@ class Trainer:
                 metrics = self.compute_advantages(batch, scores, kl_coef)
 
             # ---- 5. Update actor and critic (in parallel; each is data-parallel over its workers).
-            #      With the rollout inside the actor, each rank then samples its part of the next
-            #      step's prompts in the same call (`ahead`; timed as timing/sample_ahead).
             with timer("update"):
                 t0 = time.perf_counter()
+                if "loss_mask" in batch:  # multi-turn: no policy, KL or value loss on observation tokens
+                    batch["response_mask"] = batch.pop("loss_mask")
                 actor_keys = ["input_ids", "attention_mask", "response_mask", "advantages"]
                 actor_keys += [k for k in ("old_logprobs", "ref_logprobs", "is_weights", "engine_logprobs") if k in batch]
                 shards, norms = update_shards(batch.only(*actor_keys), roles.actor.world_size, cfg.actor, self.update_seed)
-                ahead_prompts = self.prompts_to_sample_ahead()
-                ahead = split_evenly(ahead_prompts or [], roles.actor.world_size)
-                settings = self.sampling(self.step + 1)
-                actor_refs = [w.update.remote(shard, norms, kl_coef, part, settings)
-                              for w, shard, part in zip(roles.actor.workers, shards, ahead)]
+                actor_refs = [w.update.remote(shard, norms, kl_coef) for w, shard in zip(roles.actor.workers, shards)]
                 critic_refs = []
                 if cfg.uses_critic:
                     shards, norms = update_shards(
                         batch.only("input_ids", "attention_mask", "response_mask", "values", "returns"),
                         roles.critic.world_size, cfg.critic, self.update_seed)
                     critic_refs = [w.update.remote(shard, norms) for w, shard in zip(roles.critic.workers, shards)]
-                actor_results = ray.get(actor_refs)
-                metrics.update(combine([r.stats for r in actor_results]))
-                sample_ahead_s = max(r.sample_seconds for r in actor_results)
-                metrics["timing/update_actor"] = time.perf_counter() - t0 - sample_ahead_s
-                if ahead_prompts:
-                    self.sampled_ahead = SampledAhead(ahead_prompts, [c for r in actor_results for c in r.completions])
-                    metrics["timing/sample_ahead"] = sample_ahead_s
+                metrics.update(combine([r.stats for r in ray.get(actor_refs)]))
+                metrics["timing/update_actor"] = time.perf_counter() - t0
                 if critic_refs:
                     metrics.update(combine([r.stats for r in ray.get(critic_refs)]))
                     metrics["timing/update_critic"] = time.perf_counter() - t0
 
-            # ---- 6. Push the new policy weights to every engine (no disk round trip).
+            # ---- 6. Push the new policy weights to every engine (no disk round trip), once they
+            #      have finished the batch in flight (the wait is generation training did not hide).
+            metrics["timing/rollout_wait"] = self.rollouts.wait()
             with timer("sync"):
                 self.sync_weights()
 
@@ -210,9 +215,11 @@ class Trainer:
             "rollout/reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
             "rollout/response_length": float(mask.sum(-1).mean()),
             "rollout/truncated": sum(c.finish_reason == "length" for c in completions) / len(completions),
+            "rollout/policy_lag": lag,
             "actor/kl_coef": kl_coef,
             "perf/tokens_per_s": float(mask.sum()) / metrics["timing/step"],
         })
+        metrics.update(turn_metrics(completions))
         return metrics
 
     # ------------------------------------------------------------------------------------------
@@ -221,28 +228,33 @@ class Trainer:
         return self.cfg.trainer.seed * 7919 + self.step
 
     def on_policy(self) -> bool:
-        """One epoch over one mini-batch: the sampling policy is the current one, so its log-probs
-        come from the update's own forward pass instead of an extra pass."""
+        """One epoch over one mini-batch: the loss compares against the policy as it is before the
+        update, so those log-probs come from the update's own forward pass instead of an extra pass
+        (and so do the importance weights against the sampler's log-probs, workers.PolicyWorker)."""
         cfg = self.cfg
         needs_old = cfg.uses_reference and cfg.algorithm.kl_mode == "reward"
         return (cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size == cfg.rollout_batch_size
-                and not needs_old and not cfg.rollout.logprob_correction)
+                and not needs_old)
 
     def compute_advantages(self, batch: Batch, scores: torch.Tensor, kl_coef: float) -> dict:
         cfg, alg = self.cfg, self.cfg.algorithm
         mask, n = batch["response_mask"], cfg.rollout.n
+        gen = batch.get("loss_mask", mask)  # generated tokens (multi-turn: GAE spans observations, KL does not)
         metrics: dict[str, float] = {}
         kl = None
         if "ref_logprobs" in batch and "old_logprobs" in batch:
-            kl = pm.kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * mask
-            metrics["actor/kl"] = float(pm.masked_mean(kl, mask))
+            kl = pm.kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * gen
+            metrics["actor/kl"] = float(pm.masked_mean(kl, gen))
             metrics["actor/kl_seq"] = float(kl.sum(-1).mean())
         in_reward = kl is not None and alg.kl_mode == "reward"
         if "old_logprobs" in batch:
-            metrics["rollout/logprob_diff"] = float(pm.masked_mean((batch["old_logprobs"] - batch["engine_logprobs"]).abs(), mask))
-            if cfg.rollout.logprob_correction:
+            metrics["rollout/logprob_diff"] = float(pm.masked_mean((batch["old_logprobs"] - batch["engine_logprobs"]).abs(), gen))
+            if cfg.corrects_logprobs:  # importance weights: current policy over the sampling one, capped
                 ratio = torch.exp(batch["old_logprobs"] - batch["engine_logprobs"])
-                batch["is_weights"] = ratio.clamp(max=cfg.rollout.logprob_correction_cap) * mask
+                cap = cfg.rollout.logprob_correction_cap
+                batch["is_weights"] = ratio.clamp(max=cap) * gen
+                metrics["rollout/is_weight_mean"] = float(pm.masked_mean(ratio, gen))
+                metrics["rollout/is_weight_capped"] = float(pm.masked_mean((ratio > cap).float(), gen))
         rewards = pm.token_level_rewards(scores, mask, kl if in_reward else None, kl_coef if in_reward else 0.0)
         seq_scores = scores - kl_coef * kl.sum(-1) if in_reward else scores
         if alg.name == "ppo":
@@ -269,29 +281,18 @@ class Trainer:
     def sampling(self, step: int) -> SamplingSettings:
         return SamplingSettings.from_config(self.cfg.rollout, seed=self.cfg.trainer.seed * 100_003 + step)
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list:
-        import ray
+    def start_next_rollout(self) -> None:
+        """With rollout.policy_lag=1, the next step's prompts start generating now, with the weights
+        before this step's update. Not when this step ends in a checkpoint: the step after it starts
+        from the saved weights, exactly as a run resumed from that checkpoint does."""
+        cfg = self.cfg
+        if cfg.rollout.policy_lag and self.step < cfg.trainer.total_steps and not self.saves_at(self.step):
+            prompts = [p.prompt_ids for p in self.loader.peek_batch()]
+            self.rollouts.start(self.step + 1, prompts, self.sampling(self.step + 1))
 
-        engines = self.roles.rollout.workers
-        refs = [e.generate.remote(chunk, settings) for e, chunk in zip(engines, split_evenly(prompts, len(engines)))
-                if chunk]
-        return [c for part in ray.get(refs) for c in part]
-
-    def prompts_to_sample_ahead(self) -> list[list[int]] | None:
-        """The next step's prompts, when the actor's update call samples them (rollout inside the
-        actor, and a next step to come); else None."""
-        if not self.roles.rollout_in_actor or self.step >= self.cfg.trainer.total_steps:
-            return None
-        return [p.prompt_ids for p in self.loader.peek_batch()]
-
-    def take_sampled_ahead(self, prompt_ids: list[list[int]]) -> list | None:
-        """The completions sampled in the previous step's update call, if there was one."""
-        ahead, self.sampled_ahead = self.sampled_ahead, None
-        if ahead is None:
-            return None
-        if ahead.prompt_ids != prompt_ids:
-            raise RuntimeError(f"step {self.step}: the update call sampled other prompts than this step's")
-        return ahead.completions
+    def saves_at(self, step: int) -> bool:
+        every = self.cfg.trainer.save_every
+        return bool(every and step % every == 0) or step == self.cfg.trainer.total_steps
 
     def score(self, responses: list[list[int]], records: list[PromptRecord]) -> torch.Tensor:
         import ray
@@ -327,6 +328,7 @@ class Trainer:
         rollout inside the actor the engines already use the trained weights."""
         if self.roles.rollout_in_actor:
             return
+        self.rollouts.version += 1
         rollout, actor = self.roles.rollout, self.roles.actor
         timeout = self.cfg.trainer.worker_timeout_s
         asleep = self.cfg.rollout.sleep_between_rollouts
@@ -348,33 +350,23 @@ class Trainer:
         scores, size = [], self.cfg.data.val_batch_size
         for start in range(0, len(records), size):
             chunk = records[start:start + size]
-            completions = self.generate([r.prompt_ids for r in chunk], settings)
+            completions = self.rollouts.generate([r.prompt_ids for r in chunk], settings)
             scores.append(self.score([c.token_ids for c in completions], chunk))
         return {"val/reward_mean": float(torch.cat(scores).mean())}
 
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        import ray
-
-        parts = {"actor": ray.get([w.get_state.remote() for w in self.roles.actor.workers])[0]}
-        if self.roles.critic is not None:
-            parts["critic"] = ray.get([w.get_state.remote() for w in self.roles.critic.workers])[0]
+        """Every rank writes its own shards (shards.py); the driver adds its own state, atomically."""
         state = {"step": self.step, "data": self.loader.state_dict(), "kl": self.kl_ctl.state_dict(),
                  "history": self.history.__dict__}
-        return checkpoint.save(self.cfg.trainer.run_dir, self.step, parts, state, self.cfg.to_yaml(),
-                               self.cfg.trainer.keep_last)
+        path = checkpoint.save(self.cfg.trainer.run_dir, self.step, {}, state, self.cfg.to_yaml(), self.cfg.trainer.keep_last,
+                               write_shards=lambda tmp: save_roles(self.roles, tmp, self.cfg.trainer.worker_timeout_s))
+        return upload_if_configured(path, self.cfg.trainer)  # trainer.checkpoint_uri: a copy off the instance
 
     def maybe_resume(self) -> None:
-        import ray
-
         if (ckpt := self.inputs.resume) is None:
             return
-        refs = []
-        for group, name in ((self.roles.actor, "actor"), (self.roles.critic, "critic")):
-            if group is not None and name in ckpt.parts:
-                part = ray.put(ckpt.parts[name])
-                refs += [w.set_state.remote(part) for w in group.workers]
-        ray.get(refs)
+        load_roles(self.roles, ckpt, self.cfg.trainer.worker_timeout_s)
         checkpoint.set_rng_state(ckpt.rng)
         self.step = ckpt.state["step"]
         self.loader.load_state_dict(ckpt.state["data"])

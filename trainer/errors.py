@@ -40,5 +40,19 @@ class RunDirError(TrainerError, ValueError):
     """A trainer.run_dir that is empty or holds another run's files (never silently rewritten)."""
 
 
+class Stopped(TrainerError, RuntimeError):
+    """SIGTERM (cloudrl stop, dstack stop, a spot preemption) ended the run after checkpointing its last step."""
+
+
+class RecoveryFailed(TrainerError, RuntimeError):
+    """The run lost a worker or node and could not restart (restarts used up, or no capacity came back)."""
+
+
 class ClusterUnreachable(TrainerError, ConnectionError):
     """No Ray cluster answers at the address the trainer was told to join."""
+
+
+def first_line(text: object, default: str = "no details") -> str:
+    """The first non-empty line of a message or an exception's text: what one-line errors quote."""
+    stripped = str(text).strip()
+    return stripped.splitlines()[0] if stripped else default

@@ -4,9 +4,10 @@ Used when `<role>.fsdp=true` and the role has more than one worker (or runs on a
 shards over NCCL on GPUs and over gloo on CPU, so the CPU suite exercises the GPU path. The process
 group must exist first (TrainableWorker.start_training). Each transformer block is a shard unit, then
 the root. Parameters stay fp32 (the master weights the optimizer updates); with `model.dtype=bfloat16`
-the forward and backward run in bf16 and gradients are reduced in fp32. Checkpoints and weight sync
-gather the full state through torch.distributed.checkpoint.state_dict (TrainableWorker._full_state),
-so checkpoints never depend on the number of workers.
+the forward and backward run in bf16 and gradients are reduced in fp32. Checkpoints are sharded: each
+rank writes and reads its own DTensor shards with torch.distributed.checkpoint (TrainableWorker.save_shards,
+load_shards), resharded on load, so they never depend on the number of workers. Weight sync and the HF
+export gather the full weights (TrainableWorker._full_state).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from . import checkpoint
 from .config import Config
@@ -29,6 +30,8 @@ class Inputs:
     val: list[PromptRecord]
     resume: checkpoint.Checkpoint | None
     """The checkpoint this run continues from, checked against the config (None: a fresh start)."""
+    reward_fn: Callable
+    """`reward.function`, resolved (the driver scores with it under `reward.in_driver`)."""
 
 
 def prepare(cfg: Config) -> Inputs:
@@ -38,7 +41,7 @@ def prepare(cfg: Config) -> Inputs:
     cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
     resume_from = resume_point(cfg.trainer.run_dir, cfg.trainer.resume)
     checkpoint.check_writable(cfg.trainer.run_dir)
-    resolve_reward_fn(cfg.reward.function)
+    reward_fn = resolve_reward_fn(cfg.reward.function)
     if cfg.rollout.engine == "vllm":
         from .vllm_engine import check_vllm_available
 
@@ -52,7 +55,7 @@ def prepare(cfg: Config) -> Inputs:
     train_records = load_prompts(d.train_files, tokenizer, split="train", **common)
     val_files = d.val_files or ("builtin:arithmetic" if d.train_files == "builtin:arithmetic" else "")
     val_records = load_prompts(val_files, tokenizer, split="val", **common) if val_files else []
-    return Inputs(model_path, critic_path, tokenizer, train_records, val_records, resume)
+    return Inputs(model_path, critic_path, tokenizer, train_records, val_records, resume, reward_fn)
 
 
 def open_resume(cfg: Config, path: Path, model_path: str, critic_path: str) -> checkpoint.Checkpoint:

@@ -36,6 +36,9 @@ class RoleRequest:
     """The config keys behind this request, for messages."""
     guests: list[str] = field(default_factory=list)
     """Colocated roles whose workers (own processes) run inside these bundles, on these GPUs."""
+    in_process: list[str] = field(default_factory=list)
+    """Roles served by these workers' own processes: the reference model (`colocate_actor_ref`), the
+    rollout (`rollout_in_actor`)."""
 
     @property
     def num_workers(self) -> int:
@@ -130,6 +133,8 @@ def plan(cfg: Config) -> list[RoleRequest]:
     """The placement groups the trainer will create, in creation order."""
     p = cfg.placement
     actor = _role_request(cfg, "actor")
+    actor.in_process += ["reference"] if reference_in_actor(cfg) else []
+    actor.in_process += ["rollout"] if p.rollout_in_actor else []
     requests = [actor]
     if p.colocate_all:
         # Hybrid engine: everything shares the actor's bundles; engines sleep while the actor trains.
@@ -170,12 +175,11 @@ def describe_cluster(nodes: list[dict[str, float]]) -> str:
     return "; ".join(f"{count} node{'s' if count > 1 else ''} with {shape}" for shape, count in shapes.items())
 
 
-def check_fits(cfg: Config, nodes: list[dict[str, float]]) -> list[RoleRequest]:
-    """Raise ClusterTooSmall unless every role's bundles can be placed on `nodes` at once.
+def check_fits(requests: list[RoleRequest], nodes: list[dict[str, float]]) -> None:
+    """Raise ClusterTooSmall unless every request's bundles (`plan`) can be placed on `nodes` at once.
 
     `nodes` holds each alive node's total resources (Ray's resource names: CPU, GPU, custom ones).
     """
-    requests = plan(cfg)
     have = describe_cluster(nodes)
     # Totals first: the clearest message when a whole resource is missing.
     # GPUs first: when they are missing, that is the line worth reading, not the CPUs beside them.
@@ -210,4 +214,50 @@ def check_fits(cfg: Config, nodes: list[dict[str, float]]) -> list[RoleRequest]:
             for k, v in bundle.items():
                 free[best][k] = free[best].get(k, 0.0) - v
             used_nodes.add(best)
-    return requests
+
+@dataclass
+class Slot:
+    """Where one worker runs and what it asks of its bundle."""
+
+    bundle: int
+    cpus: float
+    gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    visible_gpus: str | None = None
+    """CUDA_VISIBLE_DEVICES for a colocated worker ("" = none); None lets Ray set it."""
+
+
+def _cpu_share(cpus: float, processes: int) -> float:
+    """An equal part of a bundle's CPUs; Ray takes fractions only below 1, so larger parts are whole."""
+    part = cpus / max(processes, 1)
+    return float(int(part)) if part >= 1 else int(part * 1e4) / 1e4
+
+
+def plan_slots(cfg, request: RoleRequest, host_gpus: list[list[str]] | None = None) -> dict[str, list[Slot]]:
+    """The slot of every worker in `request`'s bundles: its own role's workers (each asking its bundle's
+    GPUs divided by the workers in it: one GPU per data-parallel rank, tp GPUs per vLLM engine), and its
+    guests' workers, which ask for no GPU and see their block of host ranks' GPUs (`host_gpus[r]` is
+    host rank r's CUDA_VISIBLE_DEVICES ids). CPUs are split evenly between all processes of a bundle."""
+    per_bundle = request.workers_per_bundle
+    guest_blocks = {role: guest_slots(cfg, request, role) for role in request.guests}
+    processes = [per_bundle] * len(request.bundles)
+    for blocks in guest_blocks.values():
+        for block in blocks:
+            processes[request.bundle_of(block[0])] += 1
+    slots: dict[str, list[Slot]] = {request.role: []}
+    for rank in range(request.num_workers):
+        b = request.bundle_of(rank)
+        bundle = request.bundles[b]
+        slots[request.role].append(Slot(
+            bundle=b, cpus=_cpu_share(bundle.get("CPU", 0.0), processes[b]), gpus=bundle.get("GPU", 0.0) / per_bundle,
+            resources={k: v / per_bundle for k, v in bundle.items() if k not in ("CPU", "GPU")},
+            visible_gpus=None if bundle.get("GPU") else ""))
+    for role, blocks in guest_blocks.items():
+        on_gpu = guest_uses_gpu(cfg, role, request)
+        slots[role] = []
+        for block in blocks:
+            b = request.bundle_of(block[0])
+            visible = ",".join(g for r in block for g in host_gpus[r]) if on_gpu and host_gpus else ""
+            slots[role].append(Slot(bundle=b, cpus=_cpu_share(request.bundles[b].get("CPU", 0.0), processes[b]),
+                                    visible_gpus=visible))
+    return slots

@@ -4,7 +4,7 @@ The trainer calls a reward function once per batch with the decoded responses (s
 removed) and, as keyword lists aligned with them, `prompts`, `ground_truth`, `data_source` and
 every extra dataset column. Pick one with `reward.function=`:
 
-    reward.function=gsm8k                       # a built-in: arithmetic, auto, exact_match, gsm8k
+    reward.function=gsm8k                       # a built-in: answer_em, arithmetic, auto, exact_match, gsm8k
     reward.function=my_rewards:format_bonus     # an importable module
     reward.function=rewards/mine.py:score_fn    # a file, relative to the current directory
 
@@ -85,7 +85,38 @@ def auto(completions: list[str], ground_truth: list[str], data_source: list[str]
     return scores
 
 
-BUILTINS: dict[str, RewardFn] = {"arithmetic": arithmetic, "auto": auto, "exact_match": exact_match, "gsm8k": gsm8k}
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def _normalized(text: str) -> str:
+    """Lower case, no punctuation, no articles, single spaces (SQuAD-style answer normalisation)."""
+    text = "".join(ch for ch in text.lower() if ch.isalnum() or ch.isspace())
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def answer_em(completions: list[str], ground_truth: list[str], **kwargs) -> list[float]:
+    """Search-R1's outcome reward: 1.0 when the last `<answer>...</answer>` of the completion equals one
+    of the ground-truth answers after normalisation. A ground truth may be one answer, a JSON list of
+    answers, or Search-R1's `{"target": [...]}`."""
+    import json
+
+    scores = []
+    for completion, truth in zip(completions, ground_truth):
+        found = _ANSWER.findall(completion)
+        try:
+            answers = json.loads(truth) if truth.lstrip()[:1] in ("[", "{") else [truth]
+        except ValueError:
+            answers = [truth]
+        if isinstance(answers, dict):
+            answers = answers.get("target", [])
+        answers = answers if isinstance(answers, list) else [answers]
+        scores.append(float(bool(found) and _normalized(found[-1]) in {_normalized(str(a)) for a in answers}))
+    return scores
+
+
+BUILTINS: dict[str, RewardFn] = {"answer_em": answer_em, "arithmetic": arithmetic, "auto": auto,
+                                 "exact_match": exact_match, "gsm8k": gsm8k}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 An engine lives inside a `RolloutWorker` Ray actor (see workers.py). It takes token-id prompts and
 returns, for each prompt, `n` sampled responses (token ids, their log-probs under the engine, and
 why each stopped), grouped consecutively: prompt i's samples are results[i*n:(i+1)*n]. After every
-policy update the trainer pushes the new weights with `load_weights`. With
+policy update the trainer pushes the new weights with `load_weights` (with `rollout.policy_lag=1`
+after the engine has finished the batch it generates meanwhile, see rollout_queue.py). With
 `placement.rollout_in_actor` an `HFEngine` wraps the policy worker's own model instead, and there is
 nothing to push.
 """
@@ -42,6 +43,11 @@ class Completion:
     """The engine's log-probability of each generated token (temperature applied)."""
     finish_reason: str
     """`stop` (end-of-sequence or a stop string) or `length`."""
+    loss_mask: list[int] | None = None
+    """Multi-turn rollouts (multiturn.py): 1 on generated tokens, 0 on the observation tokens the
+    trainer inserted (their log-probs are 0). None: every token was generated."""
+    turns: dict[str, int] | None = None
+    """Multi-turn rollouts: this sample's counts (turns, searches, invalid_calls, observation_tokens)."""
 
 
 class Completions(list):
@@ -50,11 +56,14 @@ class Completions(list):
 
     def __reduce__(self):
         return _completions, ([c.token_ids for c in self], [c.logprobs for c in self],
-                              [c.finish_reason for c in self])
+                              [c.finish_reason for c in self], [c.loss_mask for c in self],
+                              [c.turns for c in self])
 
 
-def _completions(token_ids: list, logprobs: list, reasons: list) -> Completions:
-    return Completions(Completion(t, lp, r) for t, lp, r in zip(token_ids, logprobs, reasons))
+def _completions(token_ids: list, logprobs: list, reasons: list, loss_masks: list | None = None,
+                 turns: list | None = None) -> Completions:
+    extra = zip(loss_masks, turns) if loss_masks is not None else ((None, None) for _ in token_ids)
+    return Completions(Completion(t, lp, r, m, n) for t, lp, r, (m, n) in zip(token_ids, logprobs, reasons, extra))
 
 
 class RolloutEngine(Protocol):

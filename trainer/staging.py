@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelLoadError
+from .errors import ModelLoadError, first_line
+from .paths import cache_dir
 
 SHIP_LIMIT_BYTES = 2 * 1024**3
 """Largest model directory the driver sends to nodes that lack it (through Ray's object store)."""
@@ -90,8 +91,6 @@ def pack(directory: str | Path) -> bytes:
 
 
 def cache_root() -> Path:
-    from .models import cache_dir
-
     return cache_dir() / "models"
 
 
@@ -139,7 +138,7 @@ def download(repo_id: str) -> tuple[str, float]:
     try:
         local = snapshot_download(repo_id, allow_patterns=HUB_PATTERNS)
     except Exception as exc:  # network, auth, missing repo: all end the run here, in one line
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc, type(exc).__name__)
         raise ModelLoadError(
             f"downloading {repo_id} on node {socket.gethostname()} failed ({type(exc).__name__}: {reason}): "
             f"check the id, pass the token with --env HF_TOKEN for gated models, or put the model on a "

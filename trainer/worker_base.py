@@ -12,8 +12,9 @@ import functools
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 
@@ -215,6 +216,66 @@ class TrainableWorker(WorkerBase):
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
         self.scheduler.load_state_dict(state["scheduler"])
 
+    # Sharded checkpoints (checkpoint.py, shards.py): each rank reads and writes only its own shard.
+    def _sharded_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)  # DTensors when sharded
+        return {"model": model_state, "optimizer": optim_state}
+
+    def save_shards(self, directory: str) -> tuple[dict[str, bytes], dict | None]:
+        """Write this rank's shards of the weights and optimizer state into the DCP `directory`; a
+        collective over the role's ranks. A node that does not see `directory` (no shared disk with the
+        driver) writes to a scratch directory and returns its files for the driver to write. Returns
+        (those files, the scheduler state on rank 0)."""
+        import shutil
+        import tempfile
+
+        import torch.distributed.checkpoint as dcp
+
+        target = directory if os.path.isdir(os.path.dirname(directory)) else tempfile.mkdtemp(prefix="cloudrl-shards-")
+        with _single_process_quiet():
+            dcp.save(self._sharded_state(), checkpoint_id=target)
+        files: dict[str, bytes] = {}
+        if target != directory:
+            for name in os.listdir(target):
+                with open(os.path.join(target, name), "rb") as f:
+                    files[name] = f.read()
+            shutil.rmtree(target, ignore_errors=True)
+        return files, self.scheduler.state_dict() if self.rank == 0 else None
+
+    def sees(self, directory: str) -> bool:
+        return os.path.isdir(directory)
+
+    def load_shards(self, directory: str, scheduler: dict, files: dict | None = None) -> None:
+        """Read this rank's part of the DCP `directory` (resharded to this run's ranks); a collective.
+        `files` (name -> object ref, or bytes) stands in for a directory this node cannot see."""
+        import shutil
+        import tempfile
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        source = directory
+        if files is not None:
+            source = tempfile.mkdtemp(prefix="cloudrl-shards-")
+            for name, data in files.items():
+                if not isinstance(data, bytes):
+                    import ray
+
+                    data = ray.get(data)
+                with open(os.path.join(source, name), "wb") as f:
+                    f.write(data)
+        try:
+            state = self._sharded_state()
+            with _single_process_quiet():
+                dcp.load(state, checkpoint_id=source)
+        finally:
+            if source != directory:
+                shutil.rmtree(source, ignore_errors=True)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(scheduler)
+
 
 @dataclass
 class UpdateResult:
@@ -222,10 +283,6 @@ class UpdateResult:
 
     stats: dict
     """Token-weighted sums of the rank's statistics (Accumulator.result); metrics.combine merges ranks."""
-    completions: list = field(default_factory=list)
-    """The next step's samples, when the call was asked for them (placement.rollout_in_actor)."""
-    sample_seconds: float = 0.0
-    """Seconds spent sampling them."""
 
 
 class Accumulator:
@@ -247,3 +304,15 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     if device.type == "cpu":
         return batch
     return Batch({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every save and load of a rank without a process group (one worker, no FSDP) that
+    it assumes a single process, which is exactly the case: keep job logs free of it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -1,4 +1,4 @@
-"""The roles' worker classes. `group.py` turns them into Ray actors; this module never imports Ray
+"""The roles' worker classes. `roles.py` turns them into Ray actors; this module never imports Ray
 at import time, so the classes can be read and tested on their own.
 
 - PolicyWorker     trains the policy (one data-parallel rank); can hold the frozen reference too,
@@ -14,7 +14,6 @@ What they share (forward passes, process group, sharding, optimizer step) is in 
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 
@@ -119,19 +118,10 @@ class PolicyWorker(TrainableWorker):
         model.train(was_training)
         return torch.cat(out)
 
-    def update(self, shard: Batch, normalizers: list[float], kl_coef: float,
-               sample_prompts: list[list[int]] | None = None, settings=None) -> UpdateResult:
+    def update(self, shard: Batch, normalizers: list[float], kl_coef: float) -> UpdateResult:
         """PPO epochs over this rank's part of every mini-batch. `normalizers[i]` is the global
-        number of response tokens in mini-batch i (over all ranks).
-
-        With `sample_prompts` (placement.rollout_in_actor) the rank then samples them with the
-        updated policy: the next step's rollout, in the same call, saving a driver round trip."""
-        result = UpdateResult(self._ppo_epochs(shard, normalizers, kl_coef))
-        if sample_prompts:
-            start = time.perf_counter()
-            result.completions = self.generate(sample_prompts, settings)
-            result.sample_seconds = time.perf_counter() - start
-        return result
+        number of response tokens in mini-batch i (over all ranks)."""
+        return UpdateResult(self._ppo_epochs(shard, normalizers, kl_coef))
 
     def _ppo_epochs(self, shard: Batch, normalizers: list[float], kl_coef: float) -> dict:
         a, alg = self.cfg.actor, self.cfg.algorithm
@@ -153,8 +143,10 @@ class PolicyWorker(TrainableWorker):
                     if "engine_logprobs" in micro:
                         diff = pm.masked_mean((old - micro["engine_logprobs"]).abs(), mask)
                         acc.add("rollout/logprob_diff", diff.item(), mask.sum().item())
+                        if self.cfg.corrects_logprobs:  # the importance weights, from this same pass
+                            micro["is_weights"] = self._is_weights(old, micro["engine_logprobs"], mask, acc)
                 advantages = micro["advantages"]
-                if "is_weights" in micro:  # truncated importance weights for engine/trainer mismatch
+                if "is_weights" in micro:  # truncated importance weights: trainer over sampler
                     advantages = advantages * micro["is_weights"]
                 loss, stats = pm.policy_loss(logprobs, old, advantages, mask, a.clip_low, a.clip_high,
                                              a.dual_clip or None, normalizer=norm)
@@ -174,6 +166,16 @@ class PolicyWorker(TrainableWorker):
         acc.add("actor/lr", self.scheduler.get_last_lr()[0], 1.0)
         acc.add("timing/comm_actor", self.comm_seconds, 1.0)
         return acc.result()
+
+    def _is_weights(self, logprobs, engine_logprobs, mask, acc: Accumulator):
+        """min(exp(logp_trainer - logp_engine), cap) per token (as Trainer.compute_advantages does when
+        the old log-probs come from a pass of their own), with their mean and capped share."""
+        ratio = torch.exp(logprobs - engine_logprobs)
+        cap = self.cfg.rollout.logprob_correction_cap
+        tokens = mask.sum().item()
+        acc.add("rollout/is_weight_mean", pm.masked_mean(ratio, mask).item(), tokens)
+        acc.add("rollout/is_weight_capped", pm.masked_mean((ratio > cap).float(), mask).item(), tokens)
+        return ratio.clamp(max=cap) * mask
 
     def weights(self) -> list[tuple[str, object]] | None:
         """The policy's parameters by Hugging Face name, on CPU, for the rollout engines (rank 0;
@@ -320,7 +322,7 @@ class RolloutWorker(WorkerBase):
     def __init__(self, cfg_dict: dict, model_path: str | NodePaths, rank: int = 0, world_size: int = 1):
         super().__init__(cfg_dict, rank, world_size)
         cfg = self.cfg
-        model_path = on_this_node(model_path)
+        model_path = self.model_path = on_this_node(model_path)
         if cfg.rollout.engine == "vllm":  # vLLM is imported only where an engine is built
             from .vllm_engine import VLLMEngine
 
@@ -333,7 +335,21 @@ class RolloutWorker(WorkerBase):
     def generate(self, prompts: list[list[int]], settings) -> list:
         from .rollout import Completions
 
+        if self.cfg.search.enabled:  # multi-turn, querying the retriever on this node (multiturn.py)
+            return Completions(self.turn_loop().run(prompts, settings))
         return Completions(self.engine.generate(prompts, settings))
+
+    def turn_loop(self):
+        if getattr(self, "_turn_loop", None) is None:
+            from .models import load_tokenizer
+            from .multiturn import TurnLoop, TurnSettings
+            from .retrieval import RetrievalClient
+
+            cfg = self.cfg
+            tok = getattr(self.engine, "tokenizer", None) or load_tokenizer(self.model_path, cfg.model.trust_remote_code)
+            client = RetrievalClient.from_config(cfg.search)
+            self._turn_loop = TurnLoop(self.engine.generate, tok, client.passages, TurnSettings.from_config(cfg.search))
+        return self._turn_loop
 
     def load_weights(self, named_tensors: list[tuple[str, object]]) -> None:
         """Weights from `PolicyWorker.weights` (numpy arrays on the wire, see batch.to_wire)."""

@@ -1,7 +1,7 @@
-"""Ray placement: one placement group per role request, one ActorGroup per role.
+"""The roles on the cluster: one Ray placement group per role request, one ActorGroup per role.
 
-The driver calls `launch_roles(cfg, model_path, critic_path)` once. It checks the cluster against the
-config (`placement.check_fits`) before creating anything, creates each placement group with a timeout,
+The driver calls `launch_roles(cfg, requests, model_path, critic_path)` once, with the plan it made and
+checked against the cluster (`placement.plan`, `cluster.preflight`). It creates each placement group with a timeout,
 starts the hosts' workers (one whole GPU per data-parallel rank), then the colocated roles' workers on
 their hosts' GPUs (`placement.guest_slots`), and finally lets the trained roles join their process
 groups and shard. `Roles.shutdown()` kills every actor and removes every group it created.
@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from .cluster import alive_nodes, preflight
+from .cluster import alive_nodes
 from .errors import PlacementTimeout
-from .placement import RoleRequest, describe_cluster, guest_slots, guest_uses_gpu, reference_in_actor, worker_count
+from .placement import RoleRequest, Slot, describe_cluster, plan_slots, worker_count
 from .waiting import get_all
 from .workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
 
@@ -29,17 +29,6 @@ WORKER_CLASSES = {"actor": PolicyWorker, "critic": CriticWorker, "reference": Re
 def network_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(NETWORK_ENV_PREFIXES)}
 
-
-@dataclass
-class Slot:
-    """Where one worker runs and what it asks of its bundle."""
-
-    bundle: int
-    cpus: float
-    gpus: float = 0.0
-    resources: dict[str, float] = field(default_factory=dict)
-    visible_gpus: str | None = None
-    """CUDA_VISIBLE_DEVICES for a colocated worker ("" = none); None lets Ray set it."""
 
 
 class ActorGroup:
@@ -141,40 +130,6 @@ def create_placement_group(request: RoleRequest, timeout_s: float):
     return pg
 
 
-def _cpu_share(cpus: float, processes: int) -> float:
-    """An equal part of a bundle's CPUs; Ray takes fractions only below 1, so larger parts are whole."""
-    part = cpus / max(processes, 1)
-    return float(int(part)) if part >= 1 else int(part * 1e4) / 1e4
-
-
-def plan_slots(cfg, request: RoleRequest, host_gpus: list[list[str]] | None = None) -> dict[str, list[Slot]]:
-    """The slot of every worker in `request`'s bundles: its own role's workers (each asking its bundle's
-    GPUs divided by the workers in it: one GPU per data-parallel rank, tp GPUs per vLLM engine), and its
-    guests' workers, which ask for no GPU and see their block of host ranks' GPUs (`host_gpus[r]` is
-    host rank r's CUDA_VISIBLE_DEVICES ids). CPUs are split evenly between all processes of a bundle."""
-    per_bundle = request.workers_per_bundle
-    guest_blocks = {role: guest_slots(cfg, request, role) for role in request.guests}
-    processes = [per_bundle] * len(request.bundles)
-    for blocks in guest_blocks.values():
-        for block in blocks:
-            processes[request.bundle_of(block[0])] += 1
-    slots: dict[str, list[Slot]] = {request.role: []}
-    for rank in range(request.num_workers):
-        b = request.bundle_of(rank)
-        bundle = request.bundles[b]
-        slots[request.role].append(Slot(
-            bundle=b, cpus=_cpu_share(bundle.get("CPU", 0.0), processes[b]), gpus=bundle.get("GPU", 0.0) / per_bundle,
-            resources={k: v / per_bundle for k, v in bundle.items() if k not in ("CPU", "GPU")},
-            visible_gpus=None if bundle.get("GPU") else ""))
-    for role, blocks in guest_blocks.items():
-        on_gpu = guest_uses_gpu(cfg, role, request)
-        slots[role] = []
-        for block in blocks:
-            b = request.bundle_of(block[0])
-            visible = ",".join(g for r in block for g in host_gpus[r]) if on_gpu and host_gpus else ""
-            slots[role].append(Slot(bundle=b, cpus=_cpu_share(request.bundles[b].get("CPU", 0.0), processes[b]),
-                                    visible_gpus=visible))
-    return slots
 
 
 def placement_nodes(pgs) -> list[str]:
@@ -184,15 +139,16 @@ def placement_nodes(pgs) -> list[str]:
     return sorted({node for pg in pgs for node in placement_group_table(pg)["bundles_to_node_id"].values()})
 
 
-def launch_roles(cfg, model_path: str, critic_path: str, classes: dict | None = None) -> Roles:
-    """Check the cluster, create the placement groups and start every role's workers.
+def launch_roles(cfg, requests: list[RoleRequest], model_path: str, critic_path: str,
+                 classes: dict | None = None) -> Roles:
+    """Create the placement groups of `requests` (`placement.plan`, checked against the cluster by
+    `cluster.preflight`) and start every role's workers.
 
     `classes` maps role names to worker classes (tests pass light probes to check placement alone)."""
     from .models import resolve_path
     from .staging import stage_models
 
     classes = {**WORKER_CLASSES, **(classes or {})}
-    requests = preflight(cfg)
     cfg_dict = cfg.to_dict()
     timeout = cfg.trainer.worker_timeout_s
     reward_model_path = resolve_path(cfg.reward.model_path, cfg) if cfg.reward.model_path else None
@@ -215,7 +171,7 @@ def launch_roles(cfg, model_path: str, critic_path: str, classes: dict | None = 
         model, critic = staged[model_path], staged[critic_path]
         args = {"actor": (cfg_dict, model), "critic": (cfg_dict, critic), "reference": (cfg_dict, model),
                 "reward": (cfg_dict, model), "rollout": (cfg_dict, model)}
-        kwargs = {"actor": {"with_reference": reference_in_actor(cfg)}}
+        kwargs = {"actor": {"with_reference": "reference" in requests[0].in_process}}  # plan(): actor first
         if reward_model_path:
             kwargs["reward"] = {"reward_model_path": staged[reward_model_path]}
         for req in requests:  # hosts first: the guests run on the GPUs Ray gave them

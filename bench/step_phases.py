@@ -1,0 +1,74 @@
+"""Where a step of a shipped preset goes: the weight sync's share, and what policy_lag=1 hides.
+
+    python bench/step_phases.py                       # the local preset, 30 steps each way, ~3 minutes on 2 cores
+    python bench/step_phases.py --preset local --steps 60 rollout.max_new_tokens=16
+
+Runs `python -m cloudrl.trainer --preset P` twice on a local Ray instance of its own, first as shipped
+(the rollout engine and the actor in turn), then with `rollout.policy_lag=1` (the engine generates the
+next batch while the actor and critic train), and prints the median of each `timing/*` phase over the
+counted steps, the weight sync's share of a step, and the step time of the lagging run against the
+in-turn one. Extra KEY=VALUE arguments go to both runs. The first --skip steps are warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PHASES = ("rollout", "reward", "ref", "values", "adv", "update", "rollout_wait", "sync", "step")
+
+
+def run(preset: str, overrides: list[str], run_dir: Path) -> list[dict]:
+    args = [f"trainer.run_dir={run_dir}", "trainer.val_every=0", "trainer.save_every=0", "trainer.loggers=[jsonl]",
+            "trainer.export_hf=false", "trainer.resume=never", *overrides]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "cloudrl.trainer", "--preset", preset, *args], env=env,
+                          capture_output=True, text=True, timeout=3600)
+    if proc.returncode:
+        sys.exit(f"error: the run with {' '.join(overrides) or 'the preset as shipped'} failed: "
+                 f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "timing/step" in r]
+
+
+def medians(rows: list[dict]) -> dict[str, float]:
+    return {p: statistics.median(r.get(f"timing/{p}", 0.0) for r in rows) for p in PHASES}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="local")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--skip", type=int, default=3, help="warm-up steps not counted (default 3)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    a = p.parse_args(argv)
+    if a.steps <= a.skip:
+        p.error(f"--steps ({a.steps}) must be larger than --skip ({a.skip})")
+    common = [f"trainer.total_steps={a.steps}", *a.overrides]
+    with tempfile.TemporaryDirectory(prefix="cloudrl-phases-") as tmp:
+        results = {}
+        for name, extra in (("in turn", []), ("policy_lag=1", ["rollout.policy_lag=1"])):
+            print(f"[step_phases] {a.preset}, {name}: {a.steps} steps ...", flush=True)
+            results[name] = medians(run(a.preset, [*common, *extra], Path(tmp) / name.replace("=", "")))
+    print(f"\npreset {a.preset} {' '.join(a.overrides)}: median seconds per step over steps {a.skip + 1}-{a.steps}")
+    print(f"{'phase':<14}" + "".join(f"{name:>14}" for name in results))
+    for phase in PHASES:
+        print(f"{phase:<14}" + "".join(f"{r[phase]:>14.4f}" for r in results.values()))
+    turn, lag = results["in turn"], results["policy_lag=1"]
+    print(f"\nweight sync share of a step: {turn['sync'] / turn['step']:.1%} in turn, "
+          f"{lag['sync'] / lag['step']:.1%} with policy_lag=1")
+    hidden = turn["rollout"] - lag["rollout"] - lag["rollout_wait"]
+    print(f"generation hidden behind training: {max(hidden, 0.0):.4f} s of {turn['rollout']:.4f} s "
+          f"({max(hidden, 0.0) / turn['rollout']:.0%})")
+    print(f"step time, policy_lag=1 / in turn: {lag['step'] / turn['step']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
