@@ -213,7 +213,7 @@ async def _stream(client: ClusterClient, job_id: str, write: Callable[[str], Any
             if done:
                 exc = tail.exception()
                 if exc is not None:
-                    job_info(client, job_id)  # a cluster that stopped answering says so (ClusterUnreachable)
+                    await asyncio.to_thread(_settle, client, job_id)  # a cluster going away says so
                     raise CloudrlError(f"the log stream of {job_id} from {client.address.url} broke "
                                        f"({_short(exc)}); the job may still run: "
                                        f"`cloudrl status {job_id}{client.address.flag}`")
@@ -231,6 +231,16 @@ async def _stream(client: ClusterClient, job_id: str, write: Callable[[str], Any
                 await tail
             except (asyncio.CancelledError, Exception):
                 pass
+
+
+def _settle(client: ClusterClient, job_id: str) -> None:
+    """After the log stream broke: raise ClusterUnreachable if the cluster stops answering within
+    END_GRACE_S (a cluster going down closes the stream a moment before its dashboard stops)."""
+    deadline = time.monotonic() + END_GRACE_S
+    while time.monotonic() < deadline:
+        if job_info(client, job_id).status.is_terminal():
+            return
+        time.sleep(1.0)
 
 
 def _short(exc: BaseException) -> str:

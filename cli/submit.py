@@ -229,6 +229,13 @@ def _remove_job(client: Any, submission_id: str) -> bool:
                 return False
             time.sleep(0.5)
         client.delete_job(submission_id)
+        # A job stopped while it was still being set up can be written back by its supervisor a moment
+        # later: it counts as gone only when it stays gone.
+        for _ in range(3):
+            time.sleep(1.0)
+            if _job_exists(client, submission_id):
+                client.stop_job(submission_id)
+                client.delete_job(submission_id)
         return not _job_exists(client, submission_id)
     except Exception:  # the cluster went away mid-way (or answered something unexpected): unconfirmed
         return False

@@ -40,10 +40,12 @@ taken after temperature (and after top-k/top-p, see docs/vllm.md, "Log-prob cons
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
-from typing import Iterable, Mapping
+import sys
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -185,7 +187,8 @@ class VLLMEngine:
             raise ConfigError(f"{INSTALL_HINT}; importing vllm failed: {exc}") from None
 
         self.sleep_level = sleep_level(cfg, on_gpu)
-        self.llm = LLM(**kwargs)
+        with _llvmlite_hidden():
+            self.llm = LLM(**kwargs)
         self._sleeping: set[str] = set()  # vLLM memory tags freed by sleep() and not woken yet
         # True after a level-2 sleep until new weights arrive: generating then would read freed memory.
         self.stale = False
@@ -294,3 +297,18 @@ class VLLMEngine:
         if tag in self._sleeping:
             self.llm.wake_up(tags=[tag])
             self._sleeping.discard(tag)
+
+
+@contextlib.contextmanager
+def _llvmlite_hidden() -> Iterator[None]:
+    """vLLM 0.32 scans every attribute of every module in `sys.modules` when an engine starts, and the
+    scan fails on llvmlite's function wrappers (imported with numba, e.g. by bm25s for a retriever in the
+    same process). Those modules are out of `sys.modules` during the start and put back after it."""
+    hidden = {name: mod for name, mod in sys.modules.items() if name.split(".")[0] in ("llvmlite", "numba")}
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
