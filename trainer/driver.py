@@ -53,9 +53,7 @@ def train(cfg: Config) -> dict:
 
             def run(roles, restarts: int) -> dict:
                 record_start(cfg, roles)
-                trainer = Trainer(cfg, roles, inputs)
-                trainer.restarts, trainer.stop = restarts, stop
-                return trainer.fit()
+                return Trainer(cfg, roles, inputs, restarts, stop).fit()
 
             # A lost worker or node: roles restarted from the latest checkpoint (recovery.py).
             return run_with_restarts(cfg, requests, inputs,
@@ -79,13 +77,11 @@ class History:
 
 
 class Trainer:
-    restarts = 0
-    """Restarts after a lost worker or node so far (recovery.py), logged as trainer/restarts."""
-    stop = None
-    """The StopRequest that SIGTERM sets (recovery.py); None: not watched."""
-
-    def __init__(self, cfg: Config, roles, inputs: Inputs):
+    def __init__(self, cfg: Config, roles, inputs: Inputs, restarts: int = 0, stop=None):
+        """`restarts`: restarts after a lost worker or node so far (logged as trainer/restarts); `stop`:
+        the StopRequest that SIGTERM sets (recovery.py), or None."""
         self.cfg, self.roles, self.inputs = cfg, roles, inputs
+        self.restarts, self.stop = restarts, stop
         self.tokenizer = inputs.tokenizer
         self.reward_fn = inputs.reward_fn if cfg.reward.in_driver else None
         self.loader = PromptLoader(inputs.train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
