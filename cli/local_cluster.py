@@ -36,9 +36,13 @@ from .node_processes import alive, spawn, stop_node
 from .pins import DASHBOARD_PORT
 from .ray_api import Address, ClusterClient
 
-NODE_PORTS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-              "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
 HEAD_PORTS = ("port", "ray-client-server-port")
+"""The head's ports the other nodes and clients must know in advance, picked free here. Every other
+port is 0: the raylet and agents bind a free port themselves and report it to the GCS, so nodes on one
+machine never race each other (or anything else) for a port picked a moment earlier. The agent's HTTP
+port is the one with a fixed default (52365), which several nodes would share, so it is set to 0 too."""
+SELF_BOUND_PORTS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+                    "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
 NODES_PER_CORE = 4
 """Ray nodes per CPU core `up` allows: each node starts several Python processes (seconds of CPU each)
 and, idle, still polls and reports; beyond this they miss the join timeout instead of failing at once."""
@@ -158,13 +162,11 @@ def _start(nodes: int, cpus_per_node: int | None, gpus_per_node: int | None, obj
             state["root"] = root
             save_state(state)
         dashboard_port = _pick_dashboard_port(dashboard_port, echo)
-        ports = _free_ports(len(HEAD_PORTS) + len(NODE_PORTS) * nodes, exclude={dashboard_port})
-        head_ports = dict(zip(HEAD_PORTS, ports[: len(HEAD_PORTS)]))
+        head_ports = dict(zip(HEAD_PORTS, _free_ports(len(HEAD_PORTS), exclude={dashboard_port})))
         url = f"http://127.0.0.1:{dashboard_port}"
         gcs = f"127.0.0.1:{head_ports['port']}"
         state.update(dashboard_url=url, gcs_address=gcs)
         for i in range(nodes):
-            node_ports = dict(zip(NODE_PORTS, ports[len(HEAD_PORTS) + i * len(NODE_PORTS):]))
             args = [ray_exe, "start", "--block", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
                     f"--num-cpus={cpus}", f"--object-store-memory={object_store_mb * 1024 * 1024}",
                     f"--temp-dir={root}/n{i}", "--min-worker-port=0", "--max-worker-port=0"]
@@ -175,7 +177,7 @@ def _start(nodes: int, cpus_per_node: int | None, gpus_per_node: int | None, obj
                          f"--dashboard-port={dashboard_port}"] + [f"--{k}={v}" for k, v in head_ports.items()]
             else:
                 args.append(f"--address={gcs}")
-            args += [f"--{k}={v}" for k, v in node_ports.items()]
+            args += [f"--{k}=0" for k in SELF_BOUND_PORTS]
             with _sigint_deferred():
                 state["nodes"].append(spawn(args, Path(root) / f"n{i}.log", _node_env()))
                 save_state(state)
@@ -195,13 +197,18 @@ def _start(nodes: int, cpus_per_node: int | None, gpus_per_node: int | None, obj
 
 
 def _keep_logs(state: dict[str, Any]) -> Path:
-    """Copy the nodes' `ray start` logs out of the temp dir that teardown deletes."""
+    """Copy the nodes' `ray start` logs, and the raylet's and GCS's own, out of the temp dir that teardown
+    deletes: a node that never registers says why only in its raylet log."""
     kept = cache_dir() / "local-up-failed"
     shutil.rmtree(kept, ignore_errors=True)
     kept.mkdir(parents=True, exist_ok=True)
-    for node in state.get("nodes", []):
+    for i, node in enumerate(state.get("nodes", [])):
         with contextlib.suppress(OSError):
             shutil.copy(node["log"], kept)
+        if state.get("root"):
+            for log in (Path(state["root"]) / f"n{i}" / "session_latest" / "logs").glob("*.err"):
+                with contextlib.suppress(OSError):
+                    shutil.copy(log, kept / f"n{i}-{log.name}")
     return kept
 
 

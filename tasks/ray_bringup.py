@@ -143,7 +143,10 @@ def timings(boot: float, installed: float, ray_started: float, all_joined: float
     started = [p["started"] for p in phases.values() if "started" in p]
     installs = [p["installed"] - p["started"] for p in phases.values() if {"started", "installed"} <= set(p)]
     if started:
-        parts.append(f"workers: last bootstrap began {max(started) - boot:.0f}s after the head's (image pull), "
+        # Another machine's clock: a worker whose bootstrap began with the head's may read a little before it.
+        lead = round(max(started) - boot)
+        when = f"{lead}s after" if lead >= 0 else f"{-lead}s before"
+        parts.append(f"workers: last bootstrap began {when} the head's (image pull), "
                      f"slowest install {max(installs, default=0):.0f}s")
     parts.append(f"all joined {all_joined - boot:.0f}s after the head's bootstrap began")
     if fabric_s is not None:

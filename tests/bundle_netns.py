@@ -43,6 +43,7 @@ import uuid
 from pathlib import Path
 
 from dstack_runner import REPO_ROOT, base_env
+from cloudrl.cli.local_cluster import SELF_BOUND_PORTS
 
 MARKER_VAR = "CLOUDRL_BUNDLE_TEST_CLUSTER"
 
@@ -418,10 +419,8 @@ class LoopbackCluster(Cluster):
     def node_env(self, rank: int, env: dict[str, str]) -> dict[str, str]:
         ray_tmp = self.disk(rank) / "tmp" / "ray"  # where /tmp/ray is on a node of its own
         ray_tmp.mkdir(parents=True, exist_ok=True)
-        args = [f"--temp-dir={ray_tmp}", f"--dashboard-agent-listen-port={free_port()}",
-                f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-                f"--dashboard-agent-grpc-port={free_port()}", f"--object-manager-port={free_port()}",
-                f"--node-manager-port={free_port()}"]
+        # Port 0: each process binds a free port itself (see cli/local_cluster.py's SELF_BOUND_PORTS).
+        args = [f"--temp-dir={ray_tmp}", *(f"--{name}=0" for name in SELF_BOUND_PORTS)]
         if rank == 0:
             args.append(f"--ray-client-server-port={free_port()}")
         own = env.get("CLOUDRL_RAY_START_ARGS", "")

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from bundle_netns import free_port
+from conftest import REPO
 from dstack_runner import dstack_env
 from test_bundle_cluster import GPUS_PER_NODE, run_bootstrap
 
@@ -55,3 +56,19 @@ def test_worker_gives_up_after_its_join_timeout_with_a_line_per_attempt():
     assert "join attempt 1: Ray head 127.0.0.1:%d not answering yet" % port in result.stdout
     assert result.stdout.count("join attempt") >= 2
     assert f"the Ray head at 127.0.0.1:{port} did not answer within 4s" in result.stderr
+
+
+def test_ready_line_timings_read_right_when_a_workers_clock_is_ahead():
+    """Phases come from several machines' clocks: a worker that began a moment "before" the head reads as
+    such, never as `-0s after`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ray_bringup", REPO / "tasks" / "ray_bringup.py")
+    bringup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bringup)
+    line = lambda started: bringup.timings(100.0, 108.0, 109.0, 130.0,  # noqa: E731
+                                            {1: {"started": started, "installed": started + 9}}, 6.0)
+    assert "last bootstrap began 0s after the head's" in line(99.7)
+    assert "last bootstrap began 2s before the head's" in line(98.0)
+    assert "last bootstrap began 5s after the head's" in line(105.2)
+    assert "-" not in line(99.7) + line(98.0)

@@ -31,37 +31,6 @@ def _initial_policy(cfg):
     return load_causal_lm(resolve_path(cfg.model.path, cfg))
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_each_algorithm_changes_every_parameter(ray_local, tmp_path, algorithm):
-    extra = {"algorithm.name": algorithm}
-    if algorithm == "reinforce_pp":
-        extra["algorithm.kl_mode"] = "loss"  # exercise the KL loss term too
-        extra["algorithm.kl_estimator"] = "k3"
-    cfg = load_config("local", tiny_overrides(tmp_path, **extra))
-    summary = train(cfg)
-
-    rows = _metrics(tmp_path)
-    steps = [r for r in rows if r["step"] > 0]
-    assert [r["step"] for r in steps] == [1, 2]
-    for row in steps:
-        for key in ("rollout/reward_mean", "actor/pg_loss", "actor/entropy", "timing/step", "timing/sync"):
-            assert math.isfinite(row[key]), (key, row)
-    if algorithm == "ppo":
-        assert all(math.isfinite(r["critic/vf_loss"]) for r in steps)
-
-    before = dict(_initial_policy(cfg).named_parameters())
-    after = load_causal_lm(summary["exported_model"])
-    unchanged = [n for n, p in after.named_parameters() if torch.equal(p, before[n])]
-    assert not unchanged, f"parameters the update never touched: {unchanged}"
-
-    if algorithm == "ppo":  # the critic trained as well
-        critic = checkpoint.read_full(tmp_path / "checkpoints" / "step_000002", "critic")["model"]
-        from cloudrl.trainer.models import load_value_model
-
-        fresh = dict(load_value_model(resolve_path(cfg.model.path, cfg)).named_parameters())
-        assert not [n for n, p in fresh.items() if torch.equal(critic[n], p)]
-
-
 def test_exported_model_loads_with_plain_transformers(ray_local, tmp_path):
     cfg = load_config("local", tiny_overrides(tmp_path, **{"trainer.total_steps": 1}))
     summary = train(cfg)
@@ -89,27 +58,13 @@ def test_exported_model_loads_with_plain_transformers(ray_local, tmp_path):
     assert any(not torch.equal(actor[name], start[name]) for name in actor)
 
 
-def test_local_preset_learns_addition(ray_local, tmp_path):
-    """The README's headline, shortened to fit the suite: the local preset's model, task and batch, but
-    30 steps instead of 300, each with four actor and critic updates instead of one (mini-batches of
-    64 of the step's 256 samples). Measured on CPU: greedy validation reward 0.08 before and 0.32 after
-    (a 60-step run of the preset as it is reaches 0.48); chance is ~0.11."""
-    short = {"trainer.total_steps": 30, "trainer.val_every": 0, "trainer.save_every": 0, "trainer.loggers": "[jsonl]",
-             "actor.mini_batch_size": 64, "actor.micro_batch_size": 64,
-             "critic.mini_batch_size": 64, "critic.micro_batch_size": 64}
-    train(load_config("local", [f"trainer.run_dir={tmp_path}", *(f"{k}={v}" for k, v in short.items())]))
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    before, after = summary["val_reward_before_rl"], summary["val_reward_after_rl"]
-    assert before < 0.15, "the warm-up should teach the format only, leaving the answers at chance"
-    assert after >= 0.2 and after >= before + 0.1, (before, after)
-
-
 # The easy task (operands 0..2: 9 prompts, 5 possible answers) in 20 short steps of 16 prompts x 8
 # samples, each step with four actor (and critic) updates. Mean rollout reward, first 5 steps -> last 5,
-# measured on CPU: ppo 0.23 -> 0.31, reinforce_pp 0.23 -> 0.32, rloo 0.22 -> 0.34,
+# measured on CPU: ppo 0.23 -> 0.31, reinforce_pp 0.23 -> 0.62, rloo 0.22 -> 0.34,
 # reinforce_pp_baseline 0.22 -> 0.34, grpo 0.22 -> 0.34; with the advantages negated the reward falls
 # instead. GRPO runs without its division by the group's standard deviation: with 0/1 rewards that scales
 # the advantages up to ~3x, which at this learning rate knocks the tiny model off its answer format.
+# reinforce_pp runs with its KL term in the loss (k3), so that path is exercised too.
 REWARD_RISES = {"data.arithmetic_max_operand": 2, "trainer.total_steps": 20, "trainer.val_every": 0,
                 "trainer.save_every": 0, "trainer.loggers": "[jsonl]", "data.train_batch_size": 16, "rollout.n": 8,
                 "actor.mini_batch_size": 32, "actor.micro_batch_size": 32,
@@ -117,13 +72,36 @@ REWARD_RISES = {"data.arithmetic_max_operand": 2, "trainer.total_steps": 20, "tr
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_each_algorithm_raises_the_reward(ray_local, tmp_path, algorithm):
-    """A sign error or a swapped estimator still changes every parameter; here the reward must rise."""
-    overrides = {**REWARD_RISES, "algorithm.name": algorithm, "trainer.run_dir": tmp_path}
+def test_each_algorithm_trains_every_parameter_and_raises_the_reward(ray_local, tmp_path, algorithm):
+    """Every step's losses are finite, every parameter of the policy (and with PPO of the critic) moves,
+    and the reward rises: a sign error or a swapped estimator still changes every parameter."""
+    overrides = {**REWARD_RISES, "algorithm.name": algorithm, "trainer.run_dir": tmp_path,
+                 "trainer.save_every": REWARD_RISES["trainer.total_steps"]}
     if algorithm == "grpo":
         overrides["algorithm.grpo_norm_by_std"] = "false"
-    train(load_config("local", [f"{k}={v}" for k, v in overrides.items()]))
-    rewards = [r["rollout/reward_mean"] for r in _metrics(tmp_path) if r["step"] > 0]
+    if algorithm == "reinforce_pp":  # exercise the KL loss term too
+        overrides.update({"algorithm.kl_mode": "loss", "algorithm.kl_estimator": "k3"})
+    cfg = load_config("local", [f"{k}={v}" for k, v in overrides.items()])
+    summary = train(cfg)
+
+    steps = [r for r in _metrics(tmp_path) if r["step"] > 0]
+    assert [r["step"] for r in steps] == list(range(1, REWARD_RISES["trainer.total_steps"] + 1))
+    keys = ["rollout/reward_mean", "actor/pg_loss", "actor/entropy", "timing/step", "timing/sync"]
+    keys += ["critic/vf_loss"] if algorithm == "ppo" else []
+    assert all(math.isfinite(row[key]) for row in steps for key in keys)
+
+    before = dict(_initial_policy(cfg).named_parameters())
+    after = load_causal_lm(summary["exported_model"])
+    unchanged = [n for n, p in after.named_parameters() if torch.equal(p, before[n])]
+    assert not unchanged, f"parameters the update never touched: {unchanged}"
+    if algorithm == "ppo":  # the critic trained as well
+        from cloudrl.trainer.models import load_value_model
+
+        critic = checkpoint.read_full(checkpoint.latest(tmp_path), "critic")["model"]
+        fresh = dict(load_value_model(resolve_path(cfg.model.path, cfg)).named_parameters())
+        assert not [n for n, p in fresh.items() if torch.equal(critic[n], p)]
+
+    rewards = [r["rollout/reward_mean"] for r in steps]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.04, (algorithm, first, last, rewards)
 
