@@ -224,6 +224,26 @@ def test_ppo_steps_end_to_end_with_two_vllm_engines(tmp_path):
     assert moved > 100 * LOGPROB_TOL
 
 
+def test_lagging_rollouts_sample_from_the_weights_before_the_update(tmp_path):
+    """rollout.policy_lag=1 with a vLLM engine: step t+1's batch is sampled while step t trains, so from
+    step 2 on the engine's log-probs are those of the previous policy (far off the trainer's), the lag is
+    1 and the correction weights move off 1; step 1, sampled before any update, matches exactly."""
+    import json
+    import math
+
+    pytest.importorskip("ray")
+    from cloudrl.trainer.driver import train
+
+    cfg = load_config("local", ["rollout.engine=vllm", "rollout.policy_lag=1", "trainer.total_steps=3",
+                                "model.sft_warmup_steps=0", f"trainer.run_dir={tmp_path}", "trainer.loggers=[jsonl]"])
+    summary = train(cfg)
+    steps = [m for m in map(json.loads, open(summary["metrics"])) if m["step"] > 0]
+    assert [m["rollout/policy_lag"] for m in steps] == [0, 1, 1]
+    assert steps[0]["rollout/logprob_diff"] < LOGPROB_TOL
+    assert all(m["rollout/logprob_diff"] > 100 * LOGPROB_TOL for m in steps[1:])
+    assert all(math.isfinite(m["rollout/is_weight_mean"]) and m["rollout/is_weight_mean"] != 1.0 for m in steps[1:])
+
+
 def test_missing_vllm_is_a_config_error(monkeypatch):
     from cloudrl.trainer import vllm_engine
 
