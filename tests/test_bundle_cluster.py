@@ -383,7 +383,7 @@ def test_head_fails_within_its_timeout_naming_the_missing_node(kind, task, tmp_p
     # A 2-node run whose worker never comes: only the head starts (one Ray node, so the head's own
     # start-up stays well inside the timeout even on a busy 2-core machine).
     cluster = new_cluster(kind, 2, tmp_path)
-    timeout_s = 45
+    timeout_s = 30
     try:
         cluster.create()
         head = start_node(cluster, task, 0, CLOUDRL_READY_TIMEOUT=str(timeout_s))
