@@ -85,3 +85,29 @@ def tiny_overrides(run_dir: Path, **extra) -> list[str]:
               "critic.mini_batch_size": 16, "critic.micro_batch_size": 8}
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+@contextlib.contextmanager
+def serving_retriever(corpus: Path, index_dir: Path, topk: int = 3):
+    """trainer/retriever_server.py's BM25 index of `corpus`, served on 127.0.0.1 in a thread; yields its
+    /retrieve URL and stops the server on exit."""
+    import threading
+
+    from cloudrl.trainer.retriever_server import RetrieverServer, build_index, load_index
+
+    build_index(corpus, index_dir)
+    server = RetrieverServer(("127.0.0.1", 0), load_index(index_dir), topk=topk)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/retrieve"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def step_metrics(run_dir: Path) -> list[dict]:
+    """The training steps' rows of run_dir/metrics.jsonl (step 0 and validation-only rows left out)."""
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("step", 0) > 0 and "rollout/reward_mean" in r]
