@@ -256,6 +256,15 @@ def test_llm_kwargs_are_engine_args_vllm_accepts(on_gpu, tp):
         assert not kwargs.get("enable_sleep_mode") and "weight_transfer_config" not in kwargs
 
 
+def test_the_context_holds_a_whole_multi_turn_response():
+    """A later search turn's prompt is the prompt plus every earlier turn and observation."""
+    plain = config("data.max_prompt_length=64", "rollout.max_new_tokens=24")
+    search = config("data.max_prompt_length=64", "rollout.max_new_tokens=24", "search.enabled=true",
+                    "search.url=http://127.0.0.1:8000/retrieve", "search.max_response_tokens=112")
+    assert vllm_engine.engine_args(plain, "/m", on_gpu=False, environ={})[0]["max_model_len"] == 64 + 24
+    assert vllm_engine.engine_args(search, "/m", on_gpu=False, environ={})[0]["max_model_len"] == 64 + 112
+
+
 def test_every_llm_call_matches_vllms_signatures(monkeypatch):
     """VLLMEngine drives an LLM stand-in that binds every call to the real LLM method's signature."""
     from vllm import LLM, SamplingParams

@@ -110,10 +110,13 @@ def engine_args(cfg, model_path: str, on_gpu: bool,
     """
     environ = os.environ if environ is None else environ
     r = cfg.rollout
+    # With search, later turns feed the earlier turns and their observations back in as prompt, so the
+    # context must hold the prompt plus the whole multi-turn response.
+    response_tokens = cfg.search.max_response_tokens if cfg.search.enabled else r.max_new_tokens
     kwargs: dict = dict(
         model=model_path, tokenizer=model_path, trust_remote_code=cfg.model.trust_remote_code,
         dtype=cfg.model.dtype, seed=cfg.trainer.seed,
-        max_model_len=cfg.data.max_prompt_length + r.max_new_tokens,
+        max_model_len=cfg.data.max_prompt_length + response_tokens,
         tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
         # Temperature-scaled log-probs of the sampled tokens, as the trainer recomputes them.
         logprobs_mode="processed_logprobs",
