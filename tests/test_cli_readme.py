@@ -72,7 +72,7 @@ def test_documented_block_runs(name: str, body: str, tmp_path: Path) -> None:
         assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         if "submit --local --follow" in body:
             assert "starting one" in result.stdout and "SUCCEEDED" in result.stdout
-            # The headline: the local default learns (README: chance ~0.1 before, ~0.6 after).
+        if name in dict(blocks("ci")):  # the full local default learns (README: chance ~0.1 before, ~0.6 after)
             val = re.search(r"val reward: +([\d.]+) before RL -> ([\d.]+) after", result.stdout)
             assert val, result.stdout[-3000:]
             before, after = map(float, val.groups())

@@ -35,7 +35,7 @@ def test_follow_resubmits_after_the_cluster_restarts(tmp_path: Path) -> None:
     try:
         started += _up(env, port)
         cmd = [CLOUDRL, "submit", "--local", "--follow", "--reconnect-wait", "240", "--name", "restarted",
-               "trainer.total_steps=40", "trainer.save_every=2", "trainer.keep_last=3", "trainer.val_every=0",
+               "trainer.total_steps=16", "trainer.save_every=2", "trainer.keep_last=3", "trainer.val_every=0",
                "model.sft_warmup_steps=0", "trainer.loggers=[jsonl]", "trainer.export_hf=false",
                f"trainer.run_dir={run_dir}"]
         with stop_on_exit(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -55,7 +55,7 @@ def test_follow_resubmits_after_the_cluster_restarts(tmp_path: Path) -> None:
         assert "submitted it again as restarted-r1" in out
         assert out.rstrip().endswith("job restarted-r1 SUCCEEDED")
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["steps"] == 40 and summary["resumed_from"] >= saved >= 4, (summary, saved)
+        assert summary["steps"] == 16 and summary["resumed_from"] >= saved >= 4, (summary, saved)
     finally:
         run_cli(["local", "down"], env, timeout=120)
         for pid in pids_alive(started):
