@@ -72,6 +72,9 @@ def run_trainer(*args: str, env: dict | None = None, timeout: float = 300):
     import subprocess
 
     full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # The Ray it starts is a private one: no token auth, even where ~/.ray/auth_token exists (Ray would
+    # turn it on and warn on stderr, whichever test ran first).
+    full_env.setdefault("RAY_AUTH_MODE", "disabled")
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "cloudrl.trainer", *args], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=REPO)
