@@ -357,7 +357,11 @@ def main(argv=None) -> int:
               f"(target <= 1.00x: {'met' if ratio <= 1.0 else 'NOT met'})")
 
     # Where the time goes: per step, then the median over steps of each part.
-    names = ["rollout", "reward", "ref", "adv", "update_actor", "sync"]
+    # cloudrl's phases: with policy_lag=1 they overlap (the next step starts while the update runs),
+    # so they do not add up to the step; actor_between_updates and engine_weight_wait show what each
+    # side waited.
+    names = ["rollout_wait", "reward", "ref", "adv", "update_actor", "sync", "actor_between_updates",
+             "engine_weight_wait"]
     print()
     for (side, t), rs in runs.items():
         m = merge(rs)
@@ -369,8 +373,7 @@ def main(argv=None) -> int:
                      for ph, s_ in zip(m["phases"], m["step_s"])]
             label = f"TRL, {t} thread(s)"
         else:
-            parts = [{**{n: ph.get(n, 0.0) for n in names},
-                      "other": ph["step"] - sum(ph.get(n, 0.0) for n in names)} for ph in m["phases"]]
+            parts = [{"step": ph["step"], **{n: ph.get(n, 0.0) for n in names}} for ph in m["phases"]]
             label = f"cloudrl, {LAYOUTS[side][0]}, {t} thread(s)"
         print(f"{label}, medians (s): " + "  ".join(f"{k} {med([q[k] for q in parts]):.3f}" for k in parts[0]))
 

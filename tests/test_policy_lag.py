@@ -44,6 +44,8 @@ def test_lagging_run_learns(ray_local, tmp_path):
     lagged = [rows[s] for s in sorted(rows)[1:]]
     assert all(r["rollout/is_weight_mean"] > 0 for r in lagged)
     assert any(abs(r["rollout/is_weight_mean"] - 1) > 1e-4 for r in lagged), "old samples, yet weights of 1"
+    # what overlapped: the engines' wait for weights, the actor's time between updates
+    assert all(r["timing/engine_weight_wait"] >= 0 and r["timing/actor_between_updates"] >= 0 for r in lagged[1:])
 
 
 @pytest.mark.ray
@@ -76,4 +78,4 @@ def test_resumed_lagging_run_matches_the_uninterrupted_one(ray_local, tmp_path):
         for key in ("rollout/reward_mean", "rollout/response_length", "actor/pg_loss", "rollout/is_weight_mean"):
             assert resumed[step][key] == straight[step][key], (step, key)
     for row in straight.values():
-        assert row["timing/rollout_wait"] >= 0 and row["timing/sync"] > 0
+        assert row["timing/rollout_wait"] >= 0 and row["timing/sync"] > 0 and row["timing/step"] > 0

@@ -4,7 +4,6 @@ convention on responses with observation gaps. Fast; no cluster."""
 from __future__ import annotations
 
 import pickle
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from cloudrl.trainer import ppo_math as pm
 from cloudrl.trainer.batch import build_batch
 from cloudrl.trainer.config import load_config
-from cloudrl.trainer.driver import Trainer
+from cloudrl.trainer.advantages import compute_advantages
 from cloudrl.trainer.demo import build_char_tokenizer
 from cloudrl.trainer.multiturn import (INFO_CLOSE, INFO_OPEN, INVALID_CALL, TurnLoop, TurnSettings,
                                        format_passages, search_call, turn_metrics)
@@ -212,7 +211,7 @@ def test_gae_flows_across_observation_gaps_as_in_search_r1():
                                 "algorithm.kl_coef=0.1"])
     batch = {"response_mask": span, "loss_mask": gen, "values": values.clone(), "old_logprobs": old_lp,
              "ref_logprobs": ref_lp, "engine_logprobs": old_lp}
-    metrics = Trainer.compute_advantages(SimpleNamespace(cfg=cfg), batch, scores, 0.1)
+    metrics = compute_advantages(cfg, batch, scores, 0.1)
 
     # the KL penalty only on generated tokens; the score on the response's last token
     kl = pm.kl_estimate(old_lp, ref_lp, cfg.algorithm.kl_estimator) * gen
@@ -225,5 +224,5 @@ def test_gae_flows_across_observation_gaps_as_in_search_r1():
     values2 = values.clone()
     values2[0, 2] += 1.0
     batch2 = dict(batch, values=values2)
-    Trainer.compute_advantages(SimpleNamespace(cfg=cfg), batch2, scores, 0.1)
+    compute_advantages(cfg, batch2, scores, 0.1)
     assert not torch.isclose(batch2["advantages"][0, 1], batch["advantages"][0, 1])

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from . import checkpoint
+from .advantages import compute_advantages
 from . import ppo_math as pm
-from .batch import Batch, build_batch, split_batch, split_evenly, update_shards
+from .batch import build_batch, split_batch, update_shards
 from .cluster import connect, preflight
 from .config import Config
 from .data import PromptLoader, PromptRecord
@@ -29,7 +30,7 @@ from .metrics import MetricsLogger, Timer, combine, format_summary, print_sample
 from .rewards import score_responses
 from .multiturn import turn_metrics
 from .rollout import SamplingSettings
-from .rollout_queue import RolloutQueue
+from .rollout_queue import RolloutQueue, Rollouts
 from .recovery import StopRequest, run_with_restarts
 from .run_dir import record_start
 from .shards import load_roles, save_roles
@@ -76,6 +77,20 @@ class History:
     resumed_from: int | None = None
 
 
+@dataclass
+class Launched:
+    """A step whose updates were sent to the workers (`Trainer.ppo_step`); `finish_step` collects them."""
+
+    step: int
+    metrics: dict
+    timer: Timer
+    started: float
+    update_sent: float
+    actor_refs: list
+    critic_refs: list
+    tokens: float
+
+
 class Trainer:
     def __init__(self, cfg: Config, roles, inputs: Inputs, restarts: int = 0, stop=None):
         """`restarts`: restarts after a lost worker or node so far (logged as trainer/restarts); `stop`:
@@ -90,7 +105,9 @@ class Trainer:
                        else pm.FixedKLController(a.kl_coef))
         self.history = History()
         self.step = 0
-        self.rollouts = RolloutQueue(roles.rollout.workers)
+        self.last_step_end = 0.0  # perf_counter when the last step was finished (finish_step)
+        self.rollouts = RolloutQueue(roles.rollout.workers, roles.rollout.labels(), cfg.trainer.worker_timeout_s,
+                                     None if cfg.reward.in_driver else roles.reward.workers)
         self.gpu_weight_sync = self.open_gpu_weight_sync()
 
     # ------------------------------------------------------------------------------------------
@@ -103,10 +120,17 @@ class Trainer:
                 self.history.val_before = self.history.val_last = self.validate()["val/reward_mean"]
                 logger.log(0, {"val/reward_mean": self.history.val_before})
             last_ckpt = checkpoint.latest(cfg.trainer.run_dir)
+            ahead: Launched | None = None  # a step whose update still runs while the next one starts
             while self.step < cfg.trainer.total_steps:
                 self.step += 1
-                metrics = self.ppo_step(self.loader.next_batch())
-                metrics["trainer/restarts"] = self.restarts
+                launched = self.ppo_step(self.loader.next_batch())
+                if ahead is not None:
+                    logger.log(ahead.step, self.finish_step(ahead))
+                    ahead = None
+                if self.runs_ahead():
+                    ahead = launched
+                    continue
+                metrics = self.finish_step(launched)
                 if self.inputs.val and cfg.trainer.val_every and self.step % cfg.trainer.val_every == 0:
                     metrics.update(self.validate())
                 if self.step == cfg.trainer.total_steps and self.inputs.val and "val/reward_mean" not in metrics:
@@ -118,105 +142,132 @@ class Trainer:
                     last_ckpt = self.save_checkpoint()
                 if self.stop is not None and self.stop.requested and self.step < cfg.trainer.total_steps:
                     self.stop.checkpoint_and_stop(self, last_ckpt)  # SIGTERM: this step saved, then stop
+            self.rollouts.settle()  # the last push reached every engine
         finally:
             logger.close()
         return self.finish(last_ckpt)
 
     # ------------------------------------------------------------------------------------------
-    def ppo_step(self, prompts: list[PromptRecord]) -> dict:
+    def ppo_step(self, prompts: list[PromptRecord]) -> Launched:
+        """One step up to sending its updates and new weights; `finish_step` collects the results."""
         import ray
 
         cfg, roles, timer = self.cfg, self.roles, Timer()
         n = cfg.rollout.n
         kl_coef = self.kl_ctl.value
-        with timer("step"):
-            # ---- 1. Rollout: n samples per prompt, grouped per prompt. With rollout.policy_lag=1
-            #      they were started during the previous step, and the next step's start now.
-            with timer("rollout"):
-                prompt_ids = [p.prompt_ids for p in prompts]
-                completions, lag = self.rollouts.take(self.step, prompt_ids, self.sampling(self.step))
-                self.start_next_rollout()
-                records = [p for p in prompts for _ in range(n)]
-                batch = build_batch([r.prompt_ids for r in records], [c.token_ids for c in completions],
-                                    self.tokenizer.pad_token_id, [c.logprobs for c in completions],
-                                    [c.loss_mask for c in completions])
-                if cfg.rollout.sleep_between_rollouts:
-                    ray.get([e.sleep.remote() for e in roles.rollout.workers])
+        started = time.perf_counter()
+        # ---- 1. Rollout: n samples per prompt, grouped per prompt. With rollout.policy_lag=1
+        #      they were started during the previous step, and the next step's start now, after
+        #      the weights the previous step pushed.
+        with timer("rollout"):
+            got = self.rollouts.take(self.step, prompts, self.sampling(self.step))
+            self.start_next_rollout()
+            completions = got.completions
+            records = [p for p in prompts for _ in range(n)]
+            batch = build_batch([r.prompt_ids for r in records], [c.token_ids for c in completions],
+                                self.tokenizer.pad_token_id, [c.logprobs for c in completions],
+                                [c.loss_mask for c in completions])
+            if cfg.rollout.sleep_between_rollouts:
+                ray.get([e.sleep.remote() for e in roles.rollout.workers])
 
-            # ---- 2. Rewards.
-            with timer("reward"):
-                scores = self.score([c.token_ids for c in completions], records)
-            print_sample(self.step, records[0].prompt_text, self.tokenizer, completions[0].token_ids,
-                         float(scores[0]))
+        # ---- 2. Rewards (scored by the reward workers as the engines finished, or here).
+        with timer("reward"):
+            scores = self.score(got, records)
+        print_sample(self.step, records[0].prompt_text, self.tokenizer, completions[0].token_ids,
+                     float(scores[0]))
 
-            # ---- 3. Log-probs of the sampling policy, the reference, and the critic's values.
-            mask = batch["response_mask"]
-            model_inputs = batch.only("input_ids", "attention_mask", "response_mask")
-            on_policy = self.on_policy()
-            with timer("ref"):
-                if not on_policy:
-                    parts = split_batch(model_inputs, roles.actor.world_size)
-                    batch["old_logprobs"] = torch.cat(ray.get(
-                        [w.logprobs.remote(part) for w, part in zip(roles.actor.workers, parts) if part.size]))
-                if cfg.uses_reference:
-                    group = roles.reference or roles.actor  # the reference lives in the actor by default
-                    parts = split_batch(model_inputs, group.world_size)
-                    batch["ref_logprobs"] = torch.cat(ray.get(
-                        [w.ref_logprobs.remote(part) for w, part in zip(group.workers, parts) if part.size]))
-            with timer("values"):
-                if cfg.uses_critic:
-                    parts = split_batch(model_inputs, roles.critic.world_size)
-                    batch["values"] = torch.cat(ray.get(
-                        [w.values.remote(part) for w, part in zip(roles.critic.workers, parts) if part.size]))
+        # ---- 3. Log-probs of the sampling policy, the reference, and the critic's values.
+        mask = batch["response_mask"]
+        model_inputs = batch.only("input_ids", "attention_mask", "response_mask")
+        on_policy = self.on_policy()
+        with timer("ref"):
+            if not on_policy:
+                parts = split_batch(model_inputs, roles.actor.world_size)
+                batch["old_logprobs"] = torch.cat(ray.get(
+                    [w.logprobs.remote(part) for w, part in zip(roles.actor.workers, parts) if part.size]))
+            if cfg.uses_reference:
+                group = roles.reference or roles.actor  # the reference lives in the actor by default
+                parts = split_batch(model_inputs, group.world_size)
+                batch["ref_logprobs"] = torch.cat(ray.get(
+                    [w.ref_logprobs.remote(part) for w, part in zip(group.workers, parts) if part.size]))
+        with timer("values"):
+            if cfg.uses_critic:
+                parts = split_batch(model_inputs, roles.critic.world_size)
+                batch["values"] = torch.cat(ray.get(
+                    [w.values.remote(part) for w, part in zip(roles.critic.workers, parts) if part.size]))
 
-            # ---- 4. Advantages (pure torch, ppo_math).
-            with timer("adv"):
-                metrics = self.compute_advantages(batch, scores, kl_coef)
+        # ---- 4. Advantages (pure torch, ppo_math).
+        with timer("adv"):
+            metrics = compute_advantages(cfg, batch, scores, kl_coef)
 
-            # ---- 5. Update actor and critic (in parallel; each is data-parallel over its workers).
-            with timer("update"):
-                t0 = time.perf_counter()
-                if "loss_mask" in batch:  # multi-turn: no policy, KL or value loss on observation tokens
-                    batch["response_mask"] = batch.pop("loss_mask")
-                actor_keys = ["input_ids", "attention_mask", "response_mask", "advantages"]
-                actor_keys += [k for k in ("old_logprobs", "ref_logprobs", "is_weights", "engine_logprobs") if k in batch]
-                shards, norms = update_shards(batch.only(*actor_keys), roles.actor.world_size, cfg.actor, self.update_seed)
-                actor_refs = [w.update.remote(shard, norms, kl_coef) for w, shard in zip(roles.actor.workers, shards)]
-                critic_refs = []
-                if cfg.uses_critic:
-                    shards, norms = update_shards(
-                        batch.only("input_ids", "attention_mask", "response_mask", "values", "returns"),
-                        roles.critic.world_size, cfg.critic, self.update_seed)
-                    critic_refs = [w.update.remote(shard, norms) for w, shard in zip(roles.critic.workers, shards)]
-                metrics.update(combine([r.stats for r in ray.get(actor_refs)]))
-                metrics["timing/update_actor"] = time.perf_counter() - t0
-                if critic_refs:
-                    metrics.update(combine([r.stats for r in ray.get(critic_refs)]))
-                    metrics["timing/update_critic"] = time.perf_counter() - t0
+        # ---- 5. Update actor and critic (in parallel; each is data-parallel over its workers).
+        #      Sent here; `finish_step` collects the results.
+        sent = time.perf_counter()
+        if "loss_mask" in batch:  # multi-turn: no policy, KL or value loss on observation tokens
+            batch["response_mask"] = batch.pop("loss_mask")
+        actor_keys = ["input_ids", "attention_mask", "response_mask", "advantages"]
+        actor_keys += [k for k in ("old_logprobs", "ref_logprobs", "is_weights", "engine_logprobs") if k in batch]
+        shards, norms = update_shards(batch.only(*actor_keys), roles.actor.world_size, cfg.actor, self.update_seed)
+        actor_refs = [w.update.remote(shard, norms, kl_coef) for w, shard in zip(roles.actor.workers, shards)]
+        critic_refs = []
+        if cfg.uses_critic:
+            shards, norms = update_shards(
+                batch.only("input_ids", "attention_mask", "response_mask", "values", "returns"),
+                roles.critic.world_size, cfg.critic, self.update_seed)
+            critic_refs = [w.update.remote(shard, norms) for w, shard in zip(roles.critic.workers, shards)]
 
-            # ---- 6. Push the new policy weights to every engine (no disk round trip), once they
-            #      have finished the batch in flight (the wait is generation training did not hide).
-            metrics["timing/rollout_wait"] = self.rollouts.wait()
-            with timer("sync"):
-                self.sync_weights()
+        # ---- 6. Push the new policy weights to every engine (no disk round trip): each loads them
+        #      after the update and after the batch it is generating; the next push checks they did.
+        with timer("sync"):
+            metrics.update(self.sync_weights(after=actor_refs))
 
-        # ---- 7. Log.
+        # ---- 7. The step's metrics, but for the update's (finish_step).
         self.kl_ctl.update(metrics.get("actor/kl_seq", 0.0), batch.size)
         reward_mean = float(scores.mean())
         self.history.first_reward = self.history.first_reward if self.history.first_reward is not None else reward_mean
         self.history.last_reward = reward_mean
-        metrics.update(timer.times)
         metrics.update({
+            "timing/rollout_wait": got.waited_s,
             "rollout/reward_mean": reward_mean,
             "rollout/reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
             "rollout/response_length": float(mask.sum(-1).mean()),
             "rollout/truncated": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "rollout/policy_lag": lag,
+            "rollout/policy_lag": got.lag,
             "actor/kl_coef": kl_coef,
-            "perf/tokens_per_s": float(mask.sum()) / metrics["timing/step"],
+            "trainer/restarts": self.restarts,
         })
         metrics.update(turn_metrics(completions))
+        return Launched(self.step, metrics, timer, started, sent, actor_refs, critic_refs, float(mask.sum()))
+
+    def finish_step(self, s: Launched) -> dict:
+        """Step `s`'s metrics, once its updates are done (and, in turn, the engines have the new weights).
+        `timing/step` is the time since the previous step was finished, or since this one started."""
+        import ray
+
+        metrics, timer = s.metrics, s.timer
+        metrics.update(combine([r.stats for r in ray.get(s.actor_refs)]))
+        metrics["timing/update_actor"] = time.perf_counter() - s.update_sent
+        if s.critic_refs:
+            metrics.update(combine([r.stats for r in ray.get(s.critic_refs)]))
+            metrics["timing/update_critic"] = time.perf_counter() - s.update_sent
+        timer.add("update", time.perf_counter() - s.update_sent)
+        if not self.cfg.rollout.policy_lag:
+            with timer("sync"):
+                metrics.update(self.rollouts.settle())
+        now = time.perf_counter()
+        metrics.update(timer.times)
+        metrics["timing/step"] = now - max(s.started, self.last_step_end)
+        metrics["perf/tokens_per_s"] = s.tokens / metrics["timing/step"]
+        self.last_step_end = now
         return metrics
+
+    def runs_ahead(self) -> bool:
+        """With rollout.policy_lag=1 the next step starts before this one's update is done, unless
+        something must see this step's weights first: a validation, a checkpoint, a stop, the end."""
+        cfg = self.cfg
+        validates = self.inputs.val and cfg.trainer.val_every and self.step % cfg.trainer.val_every == 0
+        stopping = self.stop is not None and self.stop.requested
+        return bool(cfg.rollout.policy_lag) and not (validates or stopping or self.saves_at(self.step))
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -232,48 +283,6 @@ class Trainer:
         return (cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size == cfg.rollout_batch_size
                 and not needs_old)
 
-    def compute_advantages(self, batch: Batch, scores: torch.Tensor, kl_coef: float) -> dict:
-        cfg, alg = self.cfg, self.cfg.algorithm
-        mask, n = batch["response_mask"], cfg.rollout.n
-        gen = batch.get("loss_mask", mask)  # generated tokens (multi-turn: GAE spans observations, KL does not)
-        metrics: dict[str, float] = {}
-        kl = None
-        if "ref_logprobs" in batch and "old_logprobs" in batch:
-            kl = pm.kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * gen
-            metrics["actor/kl"] = float(pm.masked_mean(kl, gen))
-            metrics["actor/kl_seq"] = float(kl.sum(-1).mean())
-        in_reward = kl is not None and alg.kl_mode == "reward"
-        if "old_logprobs" in batch:
-            metrics["rollout/logprob_diff"] = float(pm.masked_mean((batch["old_logprobs"] - batch["engine_logprobs"]).abs(), gen))
-            if cfg.corrects_logprobs:  # importance weights: current policy over the sampling one, capped
-                ratio = torch.exp(batch["old_logprobs"] - batch["engine_logprobs"])
-                cap = cfg.rollout.logprob_correction_cap
-                batch["is_weights"] = ratio.clamp(max=cap) * gen
-                metrics["rollout/is_weight_mean"] = float(pm.masked_mean(ratio, gen))
-                metrics["rollout/is_weight_capped"] = float(pm.masked_mean((ratio > cap).float(), gen))
-        rewards = pm.token_level_rewards(scores, mask, kl if in_reward else None, kl_coef if in_reward else 0.0)
-        seq_scores = scores - kl_coef * kl.sum(-1) if in_reward else scores
-        if alg.name == "ppo":
-            advantages, returns = pm.gae_advantages(rewards, batch["values"], mask, alg.gamma, alg.lam)
-            metrics["critic/explained_var"] = pm.explained_variance(batch["values"], returns, mask)
-            metrics["critic/values_mean"] = float(pm.masked_mean(batch["values"], mask))
-            batch["returns"] = returns
-            if alg.whiten_advantages and mask.sum() >= 2:
-                advantages = pm.masked_whiten(advantages, mask)
-        elif alg.name == "grpo":
-            advantages = pm.broadcast_to_tokens(pm.grpo_advantages(seq_scores, n, alg.grpo_norm_by_std), mask)
-        elif alg.name == "rloo":
-            advantages = pm.broadcast_to_tokens(pm.rloo_advantages(seq_scores, n), mask)
-        elif alg.name == "reinforce_pp":
-            advantages = pm.reinforce_pp_advantages(rewards, mask, alg.gamma)
-        elif alg.name == "reinforce_pp_baseline":
-            advantages = pm.reinforce_pp_baseline_advantages(seq_scores, mask, n)
-        else:  # the config's Literal type admits no other name
-            raise ValueError(f"no advantage estimator for algorithm.name={alg.name!r}")
-        batch["advantages"] = advantages * mask
-        metrics["actor/advantages_mean"] = float(pm.masked_mean(advantages, mask))
-        return metrics
-
     def sampling(self, step: int) -> SamplingSettings:
         return SamplingSettings.from_config(self.cfg.rollout, seed=self.cfg.trainer.seed * 100_003 + step)
 
@@ -283,24 +292,20 @@ class Trainer:
         from the saved weights, exactly as a run resumed from that checkpoint does."""
         cfg = self.cfg
         if cfg.rollout.policy_lag and self.step < cfg.trainer.total_steps and not self.saves_at(self.step):
-            prompts = [p.prompt_ids for p in self.loader.peek_batch()]
-            self.rollouts.start(self.step + 1, prompts, self.sampling(self.step + 1))
+            self.rollouts.start(self.step + 1, self.loader.peek_batch(), self.sampling(self.step + 1))
 
     def saves_at(self, step: int) -> bool:
         every = self.cfg.trainer.save_every
         return bool(every and step % every == 0) or step == self.cfg.trainer.total_steps
 
-    def score(self, responses: list[list[int]], records: list[PromptRecord]) -> torch.Tensor:
-        import ray
-
-        if self.reward_fn is not None:  # reward.in_driver: rule-based rewards, scored right here
-            _texts, values = score_responses(self.reward_fn, self.tokenizer, responses, records,
-                                             self.cfg.reward.function)
-            return torch.tensor(values, dtype=torch.float32)
-        workers = self.roles.reward.workers
-        parts = zip(workers, split_evenly(responses, len(workers)), split_evenly(records, len(workers)))
-        refs = [w.score.remote(resp, recs) for w, resp, recs in parts if resp]
-        return torch.cat(ray.get(refs))
+    def score(self, got: Rollouts, records: list[PromptRecord]) -> torch.Tensor:
+        """Rewards [N] for `got`, one record per sample: the reward workers' (started as the engines
+        finished, rollout_queue.py), or with reward.in_driver rule-based rewards scored right here."""
+        if self.reward_fn is None:
+            return got.scores()
+        responses = [c.token_ids for c in got.completions]
+        _texts, values = score_responses(self.reward_fn, self.tokenizer, responses, records, self.cfg.reward.function)
+        return torch.tensor(values, dtype=torch.float32)
 
     def open_gpu_weight_sync(self) -> bool:
         """vLLM engines on GPUs get weights over NCCL (or CUDA IPC when colocated) instead of the
@@ -318,27 +323,35 @@ class Trainer:
                 actor.labels(), cfg.trainer.worker_timeout_s, f"opening the weight sync with the engines at {addr}:{port}")
         return True
 
-    def sync_weights(self) -> None:
-        """Rank 0's weights go into the object store once and every engine reads them from there;
-        on GPUs with vLLM they are broadcast over NCCL (or shared through CUDA IPC) instead. With the
-        rollout inside the actor the engines already use the trained weights."""
+    def sync_weights(self, after: list = ()) -> dict[str, float]:
+        """New weights to the engines once the update calls `after` are done. Rank 0's go into the
+        object store once and every engine reads them from there, without the driver waiting (the
+        engine timings returned are the previous push's: rollout_queue.py). On GPUs with vLLM they are
+        broadcast over NCCL (or shared through CUDA IPC) instead, and engines that sleep between
+        rollouts are woken around the load: both wait here. With the rollout inside the actor the
+        engines already use the trained weights."""
+        import ray
+
         if self.roles.rollout_in_actor:
-            return
-        self.rollouts.version += 1
+            return {}
         rollout, actor = self.roles.rollout, self.roles.actor
         timeout = self.cfg.trainer.worker_timeout_s
         asleep = self.cfg.rollout.sleep_between_rollouts
+        if self.gpu_weight_sync or asleep:
+            ray.wait(list(after), num_returns=len(after))  # the update first: its failure raises in finish_step
         if asleep:  # weights first; the KV cache only once the new weights are in
             get_all([e.wake_weights.remote() for e in rollout.workers], rollout.labels(), timeout, "waking the engines")
-        if self.gpu_weight_sync:
+        if self.gpu_weight_sync:  # the actor drives the engines' side, each after its batch in flight
+            self.rollouts.version += 1
             get_all([w.push_weights.remote() for w in actor.workers], actor.labels(), timeout, "the weight sync")
-        else:
-            weights = [w.weights.remote() for w in actor.workers]
-            get_all([e.load_weights.remote(weights[0]) for e in rollout.workers] + weights[1:],
-                    rollout.labels() + actor.labels()[1:], timeout, "the weight sync")
+            return {}
+        weights = [w.weights.remote() for w in actor.workers]
+        timings = self.rollouts.push(weights[0], weights[1:], actor.labels()[1:])
         if asleep:
+            timings = self.rollouts.settle()
             get_all([e.wake_kv_cache.remote() for e in rollout.workers], rollout.labels(), timeout,
                     "allocating the engines' KV cache")
+        return timings
 
     def validate(self) -> dict:
         records = self.inputs.val
@@ -346,8 +359,7 @@ class Trainer:
         scores, size = [], self.cfg.data.val_batch_size
         for start in range(0, len(records), size):
             chunk = records[start:start + size]
-            completions = self.rollouts.generate([r.prompt_ids for r in chunk], settings)
-            scores.append(self.score([c.token_ids for c in completions], chunk))
+            scores.append(self.score(self.rollouts.generate(chunk, settings), chunk))
         return {"val/reward_mean": float(torch.cat(scores).mean())}
 
     # ------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ What they share (forward passes, process group, sharding, optimizer step) is in 
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
@@ -71,6 +72,7 @@ class PolicyWorker(TrainableWorker):
         self.model = load_causal_lm(model_path, "float32", cfg.model.trust_remote_code)  # master weights
         self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
         self.reference = self.engine = None
+        self.last_update_end: float | None = None  # perf_counter when update() last returned
         if with_reference:  # frozen: held in model.dtype, sharded like the policy
             self.reference = load_causal_lm(model_path, cfg.model.dtype, cfg.model.trust_remote_code)
             self.reference.eval().requires_grad_(False)
@@ -120,8 +122,16 @@ class PolicyWorker(TrainableWorker):
 
     def update(self, shard: Batch, normalizers: list[float], kl_coef: float) -> UpdateResult:
         """PPO epochs over this rank's part of every mini-batch. `normalizers[i]` is the global
-        number of response tokens in mini-batch i (over all ranks)."""
-        return UpdateResult(self._ppo_epochs(shard, normalizers, kl_coef))
+        number of response tokens in mini-batch i (over all ranks). Also reports the seconds since this
+        worker's previous update ended (its other calls, such as log-probs and the weight export, and
+        its waiting for this one)."""
+        start = time.perf_counter()
+        stats = self._ppo_epochs(shard, normalizers, kl_coef)
+        if self.last_update_end is not None:
+            key = "timing/actor_between_updates"
+            stats["sums"][key], stats["weights"][key] = start - self.last_update_end, 1.0
+        self.last_update_end = time.perf_counter()
+        return UpdateResult(stats)
 
     def _ppo_epochs(self, shard: Batch, normalizers: list[float], kl_coef: float) -> dict:
         a, alg = self.cfg.actor, self.cfg.algorithm
@@ -168,7 +178,7 @@ class PolicyWorker(TrainableWorker):
         return acc.result()
 
     def _is_weights(self, logprobs, engine_logprobs, mask, acc: Accumulator):
-        """min(exp(logp_trainer - logp_engine), cap) per token (as Trainer.compute_advantages does when
+        """min(exp(logp_trainer - logp_engine), cap) per token (as advantages.compute_advantages does when
         the old log-probs come from a pass of their own), with their mean and capped share."""
         ratio = torch.exp(logprobs - engine_logprobs)
         cap = self.cfg.rollout.logprob_correction_cap
@@ -294,10 +304,12 @@ class RewardWorker(WorkerBase):
             self.rm_tokenizer = load_tokenizer(rm_path)
             self.rm_tokenizer.padding_side = "right"
 
-    def score(self, responses: list[list[int]], records: list) -> torch.Tensor:
-        """Scores [N] for the responses to `records` (one PromptRecord per response)."""
+    def score(self, completions: list, records: list) -> torch.Tensor:
+        """Scores [N] for an engine's `completions` (rollout.Completion) of `records` (one PromptRecord
+        each). The rollout queue passes the engine's result straight on (rollout_queue.py)."""
         from .rewards import score_responses
 
+        responses = [c.token_ids for c in completions]
         texts, values = score_responses(self.fn, self.tokenizer, responses, records, self.cfg.reward.function)
         scores = torch.tensor(values, dtype=torch.float32)
         if self.reward_model is not None:
@@ -323,6 +335,7 @@ class RolloutWorker(WorkerBase):
         super().__init__(cfg_dict, rank, world_size)
         cfg = self.cfg
         model_path = self.model_path = on_this_node(model_path)
+        self.done_at: float | None = None  # when the last batch ended (load_weights reports the idle time)
         if cfg.rollout.engine == "vllm":  # vLLM is imported only where an engine is built
             from .vllm_engine import VLLMEngine
 
@@ -335,9 +348,12 @@ class RolloutWorker(WorkerBase):
     def generate(self, prompts: list[list[int]], settings) -> list:
         from .rollout import Completions
 
-        if self.cfg.search.enabled:  # multi-turn, querying the retriever on this node (multiturn.py)
-            return Completions(self.turn_loop().run(prompts, settings))
-        return Completions(self.engine.generate(prompts, settings))
+        try:
+            if self.cfg.search.enabled:  # multi-turn, querying the retriever on this node (multiturn.py)
+                return Completions(self.turn_loop().run(prompts, settings))
+            return Completions(self.engine.generate(prompts, settings))
+        finally:
+            self.done_at = time.perf_counter()  # from here the engine waits for its next call
 
     def turn_loop(self):
         if getattr(self, "_turn_loop", None) is None:
@@ -351,9 +367,14 @@ class RolloutWorker(WorkerBase):
             self._turn_loop = TurnLoop(self.engine.generate, tok, client.passages, TurnSettings.from_config(cfg.search))
         return self._turn_loop
 
-    def load_weights(self, named_tensors: list[tuple[str, object]]) -> None:
-        """Weights from `PolicyWorker.weights` (numpy arrays on the wire, see batch.to_wire)."""
+    def load_weights(self, named_tensors: list[tuple[str, object]]) -> dict[str, float]:
+        """Weights from `PolicyWorker.weights` (numpy arrays on the wire, see batch.to_wire). Returns
+        how long the engine sat idle since its last batch until they arrived, and the load's time."""
+        start = time.perf_counter()
+        idle = start - self.done_at if self.done_at is not None else 0.0
+        self.done_at = None
         self.engine.load_weights((name, from_wire(t)) for name, t in named_tensors)
+        return {"idle_s": idle, "load_s": time.perf_counter() - start}
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -1,0 +1,114 @@
+"""The rollout queue on a real Ray instance, with small engine and reward actors that record what they
+were given: a push does not wait for the batch in flight, every batch sees exactly the weights pushed
+before it started, a failed load is raised before anything generated after it is used, and each
+engine's part is scored by a reward worker without passing through the driver."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import torch
+
+from cloudrl.trainer.data import PromptRecord
+from cloudrl.trainer.rollout import Completion, SamplingSettings
+from cloudrl.trainer.rollout_queue import RolloutQueue
+
+pytestmark = pytest.mark.ray
+
+
+class Engine:
+    """Generates one 'token' per sample: the weight version it holds. `generate` takes `delay` seconds."""
+
+    def __init__(self, delay: float = 0.0):
+        self.version, self.delay, self.fail_loads = 0, delay, False
+
+    def generate(self, prompts, settings):
+        time.sleep(self.delay)
+        return [Completion([self.version, p[0]], [0.0, 0.0], "stop") for p in prompts for _ in range(settings.n)]
+
+    def load_weights(self, weights):
+        if self.fail_loads:
+            raise ValueError("engine cannot take these weights")
+        self.version = weights["version"]
+        return {"idle_s": 0.0, "load_s": 0.0}
+
+    def break_loads(self):
+        self.fail_loads = True
+
+
+class Scorer:
+    """Scores a sample by its prompt's first id, and records which prompts it saw."""
+
+    def __init__(self):
+        self.seen = []
+
+    def score(self, completions, records):
+        self.seen.append([r.prompt_ids[0] for r in records])
+        return torch.tensor([float(c.token_ids[1]) for c in completions])
+
+    def calls(self):
+        return self.seen
+
+
+def _prompts(first: int, count: int) -> list[PromptRecord]:
+    return [PromptRecord([first + i], f"p{first + i}", "", "test") for i in range(count)]
+
+
+def _queue(ray, engines: int, delay: float = 0.0, scorers: int = 0):
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
+    actors = [ray.remote(Engine).remote(delay) for _ in range(engines)]
+    reward = [ray.remote(Scorer).remote() for _ in range(scorers)] or None
+    return RolloutQueue(actors, [f"engine {i}" for i in range(engines)], 30.0, reward), actors, reward
+
+
+def test_a_push_waits_for_nothing_and_each_batch_sees_the_weights_pushed_before_it(ray_local):
+    import ray
+
+    queue, _, _ = _queue(ray, engines=2, delay=1.0)
+    settings = SamplingSettings(n=2)
+    first = queue.take(1, _prompts(0, 4), settings)
+    assert first.lag == 0 and {c.token_ids[0] for c in first.completions} == {0}
+
+    queue.start(2, _prompts(10, 4), settings)  # generates for a second with version 0
+    queue.push(ray.put({"version": 1}))
+    assert ray.wait(queue.pending.refs, num_returns=len(queue.pending.refs), timeout=0)[1], \
+        "push waited for the batch in flight"
+    second = queue.take(2, _prompts(10, 4), settings)
+    assert second.lag == 1 and {c.token_ids[0] for c in second.completions} == {0}
+
+    queue.start(3, _prompts(20, 4), settings)  # after the push: version 1 on every engine
+    third = queue.take(3, _prompts(20, 4), settings)
+    assert third.lag == 0 and {c.token_ids[0] for c in third.completions} == {1}
+    assert [c.token_ids[1] for c in third.completions] == [p for p in range(20, 24) for _ in range(2)]
+
+
+def test_a_failed_load_is_raised_before_its_batch_is_used(ray_local):
+    import ray
+
+    queue, actors, _ = _queue(ray, engines=2)
+    ray.get(actors[1].break_loads.remote())
+    queue.push(ray.put({"version": 1}))  # returns: the failure is not known yet
+    with pytest.raises(ray.exceptions.RayTaskError, match="cannot take these weights"):
+        queue.generate(_prompts(0, 2), SamplingSettings(n=1))
+
+
+def test_each_engine_part_is_scored_as_it_finishes_in_order(ray_local):
+    import ray
+
+    queue, _, scorers = _queue(ray, engines=3, scorers=2)
+    got = queue.take(1, _prompts(100, 6), SamplingSettings(n=2))
+    assert got.scores().tolist() == [float(p) for p in range(100, 106) for _ in range(2)]
+    # engine parts 0 and 2 went to the first reward worker, part 1 to the second
+    assert ray.get(scorers[0].calls.remote()) == [[100, 100, 101, 101], [104, 104, 105, 105]]
+    assert ray.get(scorers[1].calls.remote()) == [[102, 102, 103, 103]]
+
+
+def test_a_batch_started_for_other_prompts_is_refused(ray_local):
+    import ray
+
+    queue, _, _ = _queue(ray, engines=1)
+    queue.start(2, _prompts(0, 2), SamplingSettings(n=1))
+    with pytest.raises(RuntimeError, match="started for step 2 with other prompts"):
+        queue.take(2, _prompts(50, 2), SamplingSettings(n=1))
