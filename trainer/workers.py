@@ -122,13 +122,11 @@ class PolicyWorker(TrainableWorker):
 
     def update(self, shard: Batch, normalizers: list[float], kl_coef: float) -> UpdateResult:
         """PPO epochs over this rank's part of every mini-batch. `normalizers[i]` is the global
-        number of response tokens in mini-batch i (over all ranks). Also reports the seconds since this
-        worker's previous update ended (its other calls, such as log-probs and the weight export, and
-        its waiting for this one)."""
-        start = time.perf_counter()
+        number of response tokens in mini-batch i (over all ranks). Also reports the seconds since the
+        previous update ended: this worker's other calls (log-probs, weight export) and its waiting."""
+        start, key = time.perf_counter(), "timing/actor_between_updates"
         stats = self._ppo_epochs(shard, normalizers, kl_coef)
         if self.last_update_end is not None:
-            key = "timing/actor_between_updates"
             stats["sums"][key], stats["weights"][key] = start - self.last_update_end, 1.0
         self.last_update_end = time.perf_counter()
         return UpdateResult(stats)
@@ -305,8 +303,7 @@ class RewardWorker(WorkerBase):
             self.rm_tokenizer.padding_side = "right"
 
     def score(self, completions: list, records: list) -> torch.Tensor:
-        """Scores [N] for an engine's `completions` (rollout.Completion) of `records` (one PromptRecord
-        each). The rollout queue passes the engine's result straight on (rollout_queue.py)."""
+        """Scores [N] for an engine's `completions` of `records`, one each (from rollout_queue.py)."""
         from .rewards import score_responses
 
         responses = [c.token_ids for c in completions]
@@ -348,10 +345,10 @@ class RolloutWorker(WorkerBase):
     def generate(self, prompts: list[list[int]], settings) -> list:
         from .rollout import Completions
 
+        # multi-turn with search.enabled: querying the retriever on this node (multiturn.py)
+        generate = self.turn_loop().run if self.cfg.search.enabled else self.engine.generate
         try:
-            if self.cfg.search.enabled:  # multi-turn, querying the retriever on this node (multiturn.py)
-                return Completions(self.turn_loop().run(prompts, settings))
-            return Completions(self.engine.generate(prompts, settings))
+            return Completions(generate(prompts, settings))
         finally:
             self.done_at = time.perf_counter()  # from here the engine waits for its next call
 
@@ -368,11 +365,10 @@ class RolloutWorker(WorkerBase):
         return self._turn_loop
 
     def load_weights(self, named_tensors: list[tuple[str, object]]) -> dict[str, float]:
-        """Weights from `PolicyWorker.weights` (numpy arrays on the wire, see batch.to_wire). Returns
-        how long the engine sat idle since its last batch until they arrived, and the load's time."""
+        """Weights from `PolicyWorker.weights` (numpy arrays on the wire, see batch.to_wire). Returns the
+        engine's idle time since its last batch ended, and the load's."""
         start = time.perf_counter()
-        idle = start - self.done_at if self.done_at is not None else 0.0
-        self.done_at = None
+        idle, self.done_at = (start - self.done_at if self.done_at is not None else 0.0), None
         self.engine.load_weights((name, from_wire(t)) for name, t in named_tensors)
         return {"idle_s": idle, "load_s": time.perf_counter() - start}
 
