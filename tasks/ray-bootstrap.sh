@@ -42,8 +42,10 @@ TRAINER_PACKAGES="yaml=pyyaml pyarrow=pyarrow tensorboard=tensorboard datasets=d
 [[ -z "${WANDB_API_KEY:-}" ]] || TRAINER_PACKAGES+=" wandb=wandb"
 
 log() { echo "[cloudrl rank ${DSTACK_NODE_RANK:-?}] $*"; }
+REPORTERS=() # background phase reports (report_phase): a node that fails stops them
 die() {
     echo "[cloudrl rank ${DSTACK_NODE_RANK:-?}] error: $*" >&2
+    if ((${#REPORTERS[@]})); then kill "${REPORTERS[@]}" 2>/dev/null || true; fi
     exit 1
 }
 
@@ -147,6 +149,7 @@ report_phase() {
         timeout 2 bash -c "echo '$line' >/dev/tcp/$HEAD_IP/$PHASE_PORT" 2>/dev/null && exit 0
         sleep 2
     done) </dev/null >/dev/null 2>&1 &
+    REPORTERS+=("$!")
 }
 report_phase started
 

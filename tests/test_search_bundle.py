@@ -10,10 +10,12 @@ servers cannot both take port 8000.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +155,14 @@ def test_bootstrap_fails_when_the_retriever_cannot_start(tmp_path):
     assert result.returncode == 1
     assert "the retriever exited before answering" in result.stderr
     assert "joining" not in result.stdout
+    deadline = time.monotonic() + 10  # a reporter's last `sleep 2` may still be ending
+    while (left := [pid for pid in os.listdir("/proc") if pid.isdigit() and _environ_has(pid, str(tmp_path))]):
+        assert time.monotonic() < deadline, f"the failed bootstrap left processes running: {left}"
+        time.sleep(0.5)
+
+
+def _environ_has(pid: str, text: str) -> bool:
+    try:
+        return text.encode() in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
