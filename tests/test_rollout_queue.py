@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from cloudrl.trainer.batch import to_wire
 from cloudrl.trainer.data import PromptRecord
 from cloudrl.trainer.rollout import Completion, SamplingSettings
 from cloudrl.trainer.rollout_queue import RolloutQueue
@@ -46,7 +47,7 @@ class Scorer:
 
     def score(self, completions, records):
         self.seen.append([r.prompt_ids[0] for r in records])
-        return torch.tensor([float(c.token_ids[1]) for c in completions])
+        return to_wire(torch.tensor([float(c.token_ids[1]) for c in completions]))  # numpy, as RewardWorker
 
     def calls(self):
         return self.seen
@@ -82,6 +83,10 @@ def test_a_push_waits_for_nothing_and_each_batch_sees_the_weights_pushed_before_
     third = queue.take(3, _prompts(20, 4), settings)
     assert third.lag == 0 and {c.token_ids[0] for c in third.completions} == {1}
     assert [c.token_ids[1] for c in third.completions] == [p for p in range(20, 24) for _ in range(2)]
+
+    queue.start(4, _prompts(30, 4), settings)
+    queue.pushed_by_actor()  # the GPU path: the actor sent the weights to the engines itself
+    assert queue.take(4, _prompts(30, 4), settings).lag == 1
 
 
 def test_a_failed_load_is_raised_before_its_batch_is_used(ray_local):

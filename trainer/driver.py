@@ -342,7 +342,7 @@ class Trainer:
         if asleep:  # weights first; the KV cache only once the new weights are in
             get_all([e.wake_weights.remote() for e in rollout.workers], rollout.labels(), timeout, "waking the engines")
         if self.gpu_weight_sync:  # the actor drives the engines' side, each after its batch in flight
-            self.rollouts.version += 1
+            self.rollouts.pushed_by_actor()
             get_all([w.push_weights.remote() for w in actor.workers], actor.labels(), timeout, "the weight sync")
             return {}
         weights = [w.weights.remote() for w in actor.workers]

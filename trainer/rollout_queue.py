@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .batch import split_evenly
+from .batch import from_wire, split_evenly
 from .waiting import get_all
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class Rollouts:
         import ray
         import torch
 
-        return torch.cat(ray.get(self.score_refs))
+        return torch.cat([from_wire(s) for s in ray.get(self.score_refs)])
 
 
 @dataclass
@@ -121,6 +121,11 @@ class RolloutQueue:
         self.loading = (refs + list(others), [*self.labels, *other_labels])
         self.version += 1
         return timings
+
+    def pushed_by_actor(self) -> None:
+        """The actor sent new weights to the engines itself (the GPU weight sync, weight_sync.py): a batch
+        started before counts one more version of lag."""
+        self.version += 1
 
     def settle(self) -> dict[str, float]:
         """Wait for the last push to be loaded everywhere. Returns, over the engines, the longest

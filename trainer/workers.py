@@ -302,8 +302,9 @@ class RewardWorker(WorkerBase):
             self.rm_tokenizer = load_tokenizer(rm_path)
             self.rm_tokenizer.padding_side = "right"
 
-    def score(self, completions: list, records: list) -> torch.Tensor:
-        """Scores [N] for an engine's `completions` of `records`, one each (from rollout_queue.py)."""
+    def score(self, completions: list, records: list):
+        """Scores [N] for an engine's `completions` of `records`, one each (from rollout_queue.py), as
+        a numpy array on the wire (batch.to_wire)."""
         from .rewards import score_responses
 
         responses = [c.token_ids for c in completions]
@@ -311,7 +312,7 @@ class RewardWorker(WorkerBase):
         scores = torch.tensor(values, dtype=torch.float32)
         if self.reward_model is not None:
             scores += self.cfg.reward.model_weight * self._model_scores([r.prompt_text for r in records], texts)
-        return scores
+        return to_wire(scores)
 
     @torch.no_grad()
     def _model_scores(self, prompts: list[str], texts: list[str]) -> torch.Tensor:
