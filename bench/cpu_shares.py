@@ -71,7 +71,8 @@ def main(argv=None) -> int:
         deadline = time.time() + 600
         while logged_steps(metrics) < a.skip:
             if proc.poll() is not None or time.time() > deadline:
-                print(f"[cpu_shares] the run ended or stalled before {a.skip} steps; see {log}", file=sys.stderr)
+                last = (log.read_text().strip().splitlines() or ["(empty log)"])[-1]
+                print(f"[cpu_shares] the run ended or stalled before {a.skip} steps: {last}; log: {log}", file=sys.stderr)
                 return 1
             time.sleep(0.2)
         before, steps_before, t0 = cpu_seconds(), logged_steps(metrics), time.time()
