@@ -101,4 +101,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KeyboardInterrupt:  # the trainer's process group was stopped on the way out (main's finally)
+        print("[cpu_shares] interrupted; the trainer run was stopped", file=sys.stderr)
+        raise SystemExit(130)
