@@ -41,12 +41,11 @@ def main(argv=None) -> int:
     import torch
     import transformers
     import trl
+    from cloudrl.trainer.inputs.rewards import arithmetic  # the very function cloudrl's reward worker calls
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig, GRPOTrainer
-
-    from cloudrl.trainer.rewards import arithmetic  # the very function cloudrl's reward worker calls
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -83,13 +82,15 @@ def main(argv=None) -> int:
         num_generations=args.num_generations,
         max_completion_length=args.max_new_tokens,
         # The algorithm, set explicitly to TRL 1.16's defaults where cloudrl's config matches them.
-        beta=0.0,                     # no KL term, no reference model (cloudrl: algorithm.kl_coef=0)
-        num_iterations=1,             # one pass, on-policy (cloudrl: actor.ppo_epochs=1)
-        loss_type="dapo",             # token mean over the whole batch (cloudrl's aggregate_loss)
-        scale_rewards="group",        # (r - group mean) / group std (cloudrl: algorithm.grpo_norm_by_std)
-        epsilon=0.2,                  # clip range (cloudrl: actor.clip_low = clip_high = 0.2)
-        temperature=1.0, top_p=1.0, top_k=0,  # plain sampling (cloudrl: rollout.temperature/top_p/top_k)
-        max_grad_norm=1.0,            # cloudrl: actor.grad_clip
+        beta=0.0,  # no KL term, no reference model (cloudrl: algorithm.kl_coef=0)
+        num_iterations=1,  # one pass, on-policy (cloudrl: actor.ppo_epochs=1)
+        loss_type="dapo",  # token mean over the whole batch (cloudrl's aggregate_loss)
+        scale_rewards="group",  # (r - group mean) / group std (cloudrl: algorithm.grpo_norm_by_std)
+        epsilon=0.2,  # clip range (cloudrl: actor.clip_low = clip_high = 0.2)
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,  # plain sampling (cloudrl: rollout.temperature/top_p/top_k)
+        max_grad_norm=1.0,  # cloudrl: actor.grad_clip
         # Where TRL's defaults differ from cloudrl's, TRL is set to cloudrl's.
         learning_rate=args.lr,
         lr_scheduler_type="constant",  # TRL default: linear decay; cloudrl: constant (warmup_steps=0)
@@ -98,9 +99,10 @@ def main(argv=None) -> int:
         # TRL's default is adamw_torch_fused (cloudrl's too), but TRL measured faster with the plain
         # kernel here (5 of 6 alternating runs; bench/README.md), so TRL gets the faster one.
         optim="adamw_torch",
-        bf16=False, fp16=False,       # TRL default: bf16; cloudrl: model.dtype=float32
+        bf16=False,
+        fp16=False,  # TRL default: bf16; cloudrl: model.dtype=float32
         gradient_checkpointing=False,  # TRL default: on; cloudrl: model.gradient_checkpointing=false
-        disable_dropout=True,         # cloudrl always trains without dropout (the model has none anyway)
+        disable_dropout=True,  # cloudrl always trains without dropout (the model has none anyway)
         mask_truncated_completions=False,
         log_completions=False,
         dataloader_num_workers=0,
@@ -129,6 +131,7 @@ def main(argv=None) -> int:
                     return fn(*a, **kw)
                 finally:
                     self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - t0
+
             return wrapper
 
         def on_log(self, args_, state, control, logs=None, **kw):
@@ -136,13 +139,23 @@ def main(argv=None) -> int:
                 self.logs.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
 
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=[arithmetic], args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[arithmetic],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     # Where a step's time goes (the wrappers cost microseconds): _prepare_inputs is generation,
     # reward and advantages; _generate is the sampling alone; compute_loss the training forward
     # pass. The rest of a step is the backward pass and the optimizer step.
-    for phase, name in (("prepare", "_prepare_inputs"), ("generate", "_generate"),
-                        ("reward", "_calculate_rewards"), ("loss_forward", "compute_loss")):
+    for phase, name in (
+        ("prepare", "_prepare_inputs"),
+        ("generate", "_generate"),
+        ("reward", "_calculate_rewards"),
+        ("loss_forward", "compute_loss"),
+    ):
         setattr(trainer, name, timer.timed(phase, getattr(trainer, name)))
     trainer.train()
 
@@ -151,13 +164,34 @@ def main(argv=None) -> int:
         "interval_s": [b - a for a, b in zip(timer.ends, timer.ends[1:])],
         "phases": timer.phases,
         "logs": timer.logs,
-        "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
+        "trl": trl.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "settings": {k: str(getattr(config, k)) for k in (
-            "per_device_train_batch_size", "generation_batch_size", "steps_per_generation", "num_generations",
-            "max_completion_length", "learning_rate", "beta", "num_iterations", "loss_type", "scale_rewards",
-            "epsilon", "temperature", "top_p", "top_k", "lr_scheduler_type", "optim", "bf16",
-            "gradient_checkpointing", "max_grad_norm")},
+        "settings": {
+            k: str(getattr(config, k))
+            for k in (
+                "per_device_train_batch_size",
+                "generation_batch_size",
+                "steps_per_generation",
+                "num_generations",
+                "max_completion_length",
+                "learning_rate",
+                "beta",
+                "num_iterations",
+                "loss_type",
+                "scale_rewards",
+                "epsilon",
+                "temperature",
+                "top_p",
+                "top_k",
+                "lr_scheduler_type",
+                "optim",
+                "bf16",
+                "gradient_checkpointing",
+                "max_grad_norm",
+            )
+        },
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

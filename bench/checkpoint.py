@@ -55,10 +55,9 @@ class PeakRss:
 
 def _worker(rank: int, world: int, port: int, mode: str, folder: str, shape: tuple[int, int], out) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from cloudrl.trainer.config import load_config
-    from cloudrl.trainer.worker_base import TrainableWorker
+    from cloudrl.trainer.roles.worker_base import TrainableWorker
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, layers = shape
 
@@ -66,9 +65,15 @@ def _worker(rank: int, world: int, port: int, mode: str, folder: str, shape: tup
         def __init__(self):
             super().__init__(load_config("local", ["actor.fsdp=true"]).to_dict(), rank, world)
             torch.manual_seed(0)
-            config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                                 num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                                 num_key_value_heads=hidden // 64, tie_word_embeddings=False)
+            config = LlamaConfig(
+                vocab_size=32000,
+                hidden_size=hidden,
+                intermediate_size=hidden * 11 // 4,
+                num_hidden_layers=layers,
+                num_attention_heads=hidden // 64,
+                num_key_value_heads=hidden // 64,
+                tie_word_embeddings=False,
+            )
             self.model = LlamaForCausalLM(config)
 
     worker = BenchPolicy()
@@ -142,11 +147,15 @@ def main() -> None:
     rows = [r for mode in ("full", "sharded") for r in run(mode, args.world, (args.hidden, args.layers))]
     first = rows[0]
     print(f"policy: {first['params_m']:.0f}M parameters (fp32), AdamW state, {args.world} CPU ranks (gloo, FSDP2)")
-    print(f"{'layout':<8} {'rank':>4} {'save s':>7} {'save peak MB':>13} {'load s':>7} {'load peak MB':>13} {'on disk MB':>11}")
+    print(
+        f"{'layout':<8} {'rank':>4} {'save s':>7} {'save peak MB':>13} {'load s':>7} {'load peak MB':>13} {'on disk MB':>11}"
+    )
     for r in rows:
         disk = f"{r['files_mb']:.0f}" if "files_mb" in r else ""
-        print(f"{r['mode']:<8} {r['rank']:>4} {r['save_s']:>7.2f} {r['save_mb']:>13.0f} {r['load_s']:>7.2f} "
-              f"{r['load_mb']:>13.0f} {disk:>11}")
+        print(
+            f"{r['mode']:<8} {r['rank']:>4} {r['save_s']:>7.2f} {r['save_mb']:>13.0f} {r['load_s']:>7.2f} "
+            f"{r['load_mb']:>13.0f} {disk:>11}"
+        )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,11 @@ def cpu_seconds() -> dict[int, tuple[float, str]]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:  # ended meanwhile
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        out[int(entry.name)] = ((int(fields[11]) + int(fields[12])) / tick, cmd or stat[stat.find("(") + 1:stat.rfind(")")])
+        fields = stat[stat.rfind(")") + 2 :].split()
+        out[int(entry.name)] = (
+            (int(fields[11]) + int(fields[12])) / tick,
+            cmd or stat[stat.find("(") + 1 : stat.rfind(")")],
+        )
     return out
 
 
@@ -57,8 +60,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="as trl_grpo.py --threads (default 2)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     a = p.parse_args(argv)
-    defaults = argparse.Namespace(generations=4, prompts_per_step=16, sft_warmup_steps=0, max_new_tokens=16,
-                                  lr=1e-3, steps=100_000)  # stopped once measured
+    defaults = argparse.Namespace(
+        generations=4, prompts_per_step=16, sft_warmup_steps=0, max_new_tokens=16, lr=1e-3, steps=100_000
+    )  # stopped once measured
     overrides = cloudrl_overrides(defaults) + LAYOUTS["async"][1](a.threads) + a.overrides
     run_dir = Path(tempfile.mkdtemp(prefix="cpu-shares-")) / "run"
     log = run_dir.parent / "trainer.log"
@@ -72,7 +76,9 @@ def main(argv=None) -> int:
         while logged_steps(metrics) < a.skip:
             if proc.poll() is not None or time.time() > deadline:
                 last = (log.read_text().strip().splitlines() or ["(empty log)"])[-1]
-                print(f"[cpu_shares] the run ended or stalled before {a.skip} steps: {last}; log: {log}", file=sys.stderr)
+                print(
+                    f"[cpu_shares] the run ended or stalled before {a.skip} steps: {last}; log: {log}", file=sys.stderr
+                )
                 return 1
             time.sleep(0.2)
         before, steps_before, t0 = cpu_seconds(), logged_steps(metrics), time.time()
@@ -95,8 +101,10 @@ def main(argv=None) -> int:
         if seconds * 1000 / steps >= 0.5:
             print(f"{1000 * seconds / steps:12.1f}  {cmd[:100]}")
     total = sum(s for s, _ in used) * 1000 / steps
-    print(f"{total:12.1f}  in all, of {1000 * step_s * (os.cpu_count() or 1):.1f} the machine's "
-          f"{os.cpu_count()} cores had per step")
+    print(
+        f"{total:12.1f}  in all, of {1000 * step_s * (os.cpu_count() or 1):.1f} the machine's "
+        f"{os.cpu_count()} cores had per step"
+    )
     return 0
 
 
@@ -105,4 +113,4 @@ if __name__ == "__main__":
         raise SystemExit(main())
     except KeyboardInterrupt:  # the trainer's process group was stopped on the way out (main's finally)
         print("[cpu_shares] interrupted; the trainer run was stopped", file=sys.stderr)
-        raise SystemExit(130)
+        raise SystemExit(130) from None

@@ -22,14 +22,28 @@ from pathlib import Path
 
 
 def run(gcs: str, run_dir: Path, steps: int, world: int) -> list[dict]:
-    overrides = [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.val_every=0",
-                 "trainer.save_every=0", "trainer.loggers=[jsonl]", "trainer.export_hf=false",
-                 f"actor.nodes={world}", f"critic.nodes={world}",
-                 "actor.micro_batch_size=128", "critic.micro_batch_size=128",  # the same micro-batches for W=1 and W=2
-                 "actor.fsdp=false", "critic.fsdp=false"]  # plain data parallelism: whole copies, gradient all-reduce
+    overrides = [
+        f"trainer.run_dir={run_dir}",
+        f"trainer.total_steps={steps}",
+        "trainer.val_every=0",
+        "trainer.save_every=0",
+        "trainer.loggers=[jsonl]",
+        "trainer.export_hf=false",
+        f"actor.nodes={world}",
+        f"critic.nodes={world}",
+        "actor.micro_batch_size=128",
+        "critic.micro_batch_size=128",  # the same micro-batches for W=1 and W=2
+        "actor.fsdp=false",
+        "critic.fsdp=false",
+    ]  # plain data parallelism: whole copies, gradient all-reduce
     env = {**os.environ, "RAY_ADDRESS": gcs}
-    proc = subprocess.run([sys.executable, "-m", "cloudrl.trainer", "--preset", "local", *overrides],
-                          env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cloudrl.trainer", "--preset", "local", *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if proc.returncode:
         sys.exit(f"error: the W={world} run failed: {proc.stderr.strip().splitlines()[-1:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -61,7 +75,9 @@ def main() -> None:
         step = median(rows, "timing/step")
         comm = median(rows, "timing/comm_actor") + median(rows, "timing/comm_critic")
         table.append((world, step, median(rows, "timing/update"), comm, comm / step if step else 0.0, len(rows)))
-    print(f"tiny-model PPO, `local` preset, 2 Ray nodes on one {os.cpu_count()}-core machine, median over steps > {skip}")
+    print(
+        f"tiny-model PPO, `local` preset, 2 Ray nodes on one {os.cpu_count()}-core machine, median over steps > {skip}"
+    )
     print(f"{'workers':>8} {'s/step':>8} {'update s':>9} {'all-reduce s':>13} {'comm share':>11} {'steps':>6}")
     for world, step, update, comm, share, n in table:
         print(f"{world:>8} {step:>8.3f} {update:>9.3f} {comm:>13.4f} {share:>10.1%} {n:>6}")

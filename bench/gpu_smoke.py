@@ -7,7 +7,7 @@
     python bench/gpu_smoke.py --world 2                         # 2 GPUs: FSDP2 over NCCL across 2 ranks
 
 Needs torch and transformers only (Ray and vLLM are imported only if installed, vLLM only with CUDA).
-It runs trainer/workers.py's PolicyWorker as one rank (world size 1): the NCCL process group, FSDP2
+It runs trainer/roles/workers.py's PolicyWorker as one rank (world size 1): the NCCL process group, FSDP2
 sharding with bf16 mixed precision over fp32 master weights (`actor.fsdp=true` on CUDA), AdamW, the
 frozen reference, log-probs and the PPO update with a KL term; rollouts come from a separate HFEngine
 that receives the policy's weights through `PolicyWorker.weights()` and `load_weights` each step (the
@@ -53,8 +53,9 @@ def import_trainer():
         pkg = types.ModuleType("cloudrl")
         pkg.__path__ = []
         sys.modules["cloudrl"] = pkg
-        spec = importlib.util.spec_from_file_location("cloudrl.trainer", root / "__init__.py",
-                                                      submodule_search_locations=[str(root)])
+        spec = importlib.util.spec_from_file_location(
+            "cloudrl.trainer", root / "__init__.py", submodule_search_locations=[str(root)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules["cloudrl.trainer"] = module
         spec.loader.exec_module(module)
@@ -68,13 +69,28 @@ def build_synthetic(path: str, hidden: int, layers: int, vocab: int = 4096) -> N
     words = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(vocab - 3)])}
     core = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                  padding_side="left", model_max_length=2048)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+        model_max_length=2048,
+    )
     heads = max(1, hidden // 64)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4 // 64 * 64,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-                         max_position_embeddings=2048, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
-                         bos_token_id=None)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4 // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
@@ -100,13 +116,20 @@ def masked_mean_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> flo
 
 def vllm_section(args, model_path: str, worker, prompts, settings, overrides) -> dict:
     """Start a VLLMEngine with sleep mode, generate, sleep, wake, reload the policy's weights, generate."""
-    from cloudrl.trainer.batch import build_batch, from_wire
+    from cloudrl.trainer.algo.batch import build_batch, from_wire
     from cloudrl.trainer.config import load_config
-    from cloudrl.trainer.vllm_engine import VLLMEngine, check_vllm_available
+    from cloudrl.trainer.rollout.vllm_engine import VLLMEngine, check_vllm_available
 
     check_vllm_available()
-    cfg = load_config("local", overrides + ["rollout.engine=vllm", "rollout.sleep_between_rollouts=true",
-                                            f"rollout.gpu_memory_utilization={args.vllm_memory}"])
+    cfg = load_config(
+        "local",
+        overrides
+        + [
+            "rollout.engine=vllm",
+            "rollout.sleep_between_rollouts=true",
+            f"rollout.gpu_memory_utilization={args.vllm_memory}",
+        ],
+    )
     engine = VLLMEngine(model_path, cfg)
     engine.generate(prompts[:2], settings)  # warm-up
     start = clock(True)
@@ -117,11 +140,14 @@ def vllm_section(args, model_path: str, worker, prompts, settings, overrides) ->
     engine.load_weights((name, from_wire(t)) for name, t in worker.weights())
     engine.wake_kv_cache()
     after = engine.generate(prompts, settings)
-    batch = build_batch([p for p in prompts for _ in range(settings.n)], [c.token_ids for c in after],
-                        worker.tokenizer.pad_token_id, [c.logprobs for c in after])
+    batch = build_batch(
+        [p for p in prompts for _ in range(settings.n)],
+        [c.token_ids for c in after],
+        worker.tokenizer.pad_token_id,
+        [c.logprobs for c in after],
+    )
     diff = masked_mean_abs(worker.logprobs(batch), batch["engine_logprobs"], batch["response_mask"])
-    return {"vllm_tokens_per_s": sum(len(c.token_ids) for c in out) / seconds,
-            "vllm_logprob_diff_after_reload": diff}
+    return {"vllm_tokens_per_s": sum(len(c.token_ids) for c in out) / seconds, "vllm_logprob_diff_after_reload": diff}
 
 
 def free_port() -> int:
@@ -140,8 +166,9 @@ def launch_ranks(args, argv: list[str]) -> int:
     procs = []
     for rank in range(args.world):
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank) if cuda else ""}
-        procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--rank", str(rank), "--port", str(port)],
-                                      env=env))
+        procs.append(
+            subprocess.Popen([sys.executable, __file__, *argv, "--rank", str(rank), "--port", str(port)], env=env)
+        )
     codes = [p.wait() for p in procs]
     return max(codes)
 
@@ -164,8 +191,12 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-memory", type=float, default=0.3, help="rollout.gpu_memory_utilization for vLLM")
     p.add_argument("--fsdp-on-cpu", action="store_true", help="shard with FSDP2 over gloo on CPU too (world size 1)")
     p.add_argument("--out", default="", help="write the results as JSON here")
-    p.add_argument("--world", type=int, default=1,
-                   help="ranks, one process and one GPU each: FSDP2 over NCCL (gloo on CPU) across them")
+    p.add_argument(
+        "--world",
+        type=int,
+        default=1,
+        help="ranks, one process and one GPU each: FSDP2 over NCCL (gloo on CPU) across them",
+    )
     p.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher below
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -176,13 +207,12 @@ def main(argv=None) -> int:
     if args.device == "cpu":  # the worker takes CUDA whenever torch sees a device
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import_trainer()
-    from cloudrl.trainer.batch import build_batch, from_wire
+    from cloudrl.trainer.algo.batch import build_batch, from_wire, update_shards
     from cloudrl.trainer.config import load_config
-    from cloudrl.trainer.batch import update_shards
+    from cloudrl.trainer.inputs.models import quiet_transformers, resolve_path
     from cloudrl.trainer.metrics import combine
-    from cloudrl.trainer.models import quiet_transformers, resolve_path
-    from cloudrl.trainer.rollout import HFEngine, SamplingSettings
-    from cloudrl.trainer.workers import PolicyWorker
+    from cloudrl.trainer.roles.workers import PolicyWorker
+    from cloudrl.trainer.rollout.engines import HFEngine, SamplingSettings
 
     quiet_transformers()
     cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
@@ -196,13 +226,24 @@ def main(argv=None) -> int:
     if not args.model:
         build_synthetic(model_path, args.hidden, args.layers)
     seqs = args.prompts * args.n
-    overrides = [f"model.path={model_path}", f"model.dtype={dtype}", "model.sft_warmup_steps=0",
-                 f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}", "data.max_prompt_length=48",
-                 f"rollout.max_new_tokens={args.max_new_tokens}", "algorithm.name=grpo", "algorithm.kl_mode=loss",
-                 "algorithm.kl_coef=0.001", f"actor.gpus_per_node={1 if cuda else 0}", "actor.fsdp=true",
-                 f"actor.lr={args.lr}", f"actor.mini_batch_size={seqs}",
-                 f"actor.micro_batch_size={min(args.micro, seqs)}",
-                 f"trainer.run_dir={tmp.name}/run"]
+    overrides = [
+        f"model.path={model_path}",
+        f"model.dtype={dtype}",
+        "model.sft_warmup_steps=0",
+        f"data.train_batch_size={args.prompts}",
+        f"rollout.n={args.n}",
+        "data.max_prompt_length=48",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        "algorithm.name=grpo",
+        "algorithm.kl_mode=loss",
+        "algorithm.kl_coef=0.001",
+        f"actor.gpus_per_node={1 if cuda else 0}",
+        "actor.fsdp=true",
+        f"actor.lr={args.lr}",
+        f"actor.mini_batch_size={seqs}",
+        f"actor.micro_batch_size={min(args.micro, seqs)}",
+        f"trainer.run_dir={tmp.name}/run",
+    ]
     cfg = load_config("local", overrides)
 
     worker = PolicyWorker(cfg.to_dict(), model_path, rank=rank, world_size=world, with_reference=True)
@@ -215,6 +256,8 @@ def main(argv=None) -> int:
     settings = SamplingSettings.from_config(cfg.rollout, seed=cfg.trainer.seed)
     prompts = make_prompts(worker.tokenizer, args.prompts, cfg.trainer.seed)
     gen = torch.Generator().manual_seed(cfg.trainer.seed)
+    start_peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None  # load, shard, optimizer
+    start_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
@@ -228,8 +271,12 @@ def main(argv=None) -> int:
             t1 = clock(cuda)
             out = engine.generate(prompts, dataclasses.replace(settings, seed=cfg.trainer.seed + step))
             t2 = clock(cuda)
-            batch = build_batch([q for q in prompts for _ in range(args.n)], [c.token_ids for c in out],
-                                worker.tokenizer.pad_token_id, [c.logprobs for c in out])
+            batch = build_batch(
+                [q for q in prompts for _ in range(args.n)],
+                [c.token_ids for c in out],
+                worker.tokenizer.pad_token_id,
+                [c.logprobs for c in out],
+            )
         if world > 1:
             box = [batch]
             torch.distributed.broadcast_object_list(box, src=0)
@@ -251,12 +298,20 @@ def main(argv=None) -> int:
             every = [None] * world
             torch.distributed.all_gather_object(every, stats)
         stats = combine(every)
-        steps.append(dict(sync_s=t1 - t0, gen_s=t2 - t1, gen_tokens=int(mask.sum()), update_s=t4 - t3,
-                          update_tokens=int(batch["attention_mask"].sum()),
-                          logprob_diff=masked_mean_abs(logprobs, batch["engine_logprobs"], mask),
-                          update_logprob_diff=stats.get("rollout/logprob_diff", float("nan")),
-                          pg_loss=stats["actor/pg_loss"], kl=stats.get("actor/kl_loss", 0.0),
-                          grad_norm=stats["actor/grad_norm"]))
+        steps.append(
+            dict(
+                sync_s=t1 - t0,
+                gen_s=t2 - t1,
+                gen_tokens=int(mask.sum()),
+                update_s=t4 - t3,
+                update_tokens=int(batch["attention_mask"].sum()),
+                logprob_diff=masked_mean_abs(logprobs, batch["engine_logprobs"], mask),
+                update_logprob_diff=stats.get("rollout/logprob_diff", float("nan")),
+                pg_loss=stats["actor/pg_loss"],
+                kl=stats.get("actor/kl_loss", 0.0),
+                grad_norm=stats["actor/grad_norm"],
+            )
+        )
         if rank == 0:
             print(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in steps[-1].items()), flush=True)
 
@@ -275,17 +330,32 @@ def main(argv=None) -> int:
     else:
         name = f"cpu {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
         peak_mem, mfu = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, None
-    res = {"device": name, "world": world, "dtype": dtype, "sharded": bool(worker.sharded), "params": params,
-           "steps": args.steps,
-           "sequences_per_step": seqs, "gen_tokens_per_s": mean["gen_tokens"] / mean["gen_s"],
-           "weight_sync_s": mean["sync_s"], "update_s_per_step": mean["update_s"], "update_tokens_per_s": update_tps,
-           "rollout/logprob_diff": steps[-1]["logprob_diff"],
-           "rollout/logprob_diff_max": max(s["logprob_diff"] for s in steps),
-           "update/logprob_diff": steps[-1]["update_logprob_diff"], "peak_memory_gib": peak_mem,
-           "peak_memory_kind": "cuda max_memory_allocated" if cuda else "process max RSS",
-           "mfu": mfu, "peak_tflops": args.peak_tflops if cuda else None,
-           "params_changed": len(initial) - len(unchanged), "params_total": len(initial),
-           "final_pg_loss": steps[-1]["pg_loss"], "final_grad_norm": steps[-1]["grad_norm"]}
+    res = {
+        "device": name,
+        "world": world,
+        "dtype": dtype,
+        "sharded": bool(worker.sharded),
+        "params": params,
+        "steps": args.steps,
+        "sequences_per_step": seqs,
+        "gen_tokens_per_s": mean["gen_tokens"] / mean["gen_s"],
+        "weight_sync_s": mean["sync_s"],
+        "update_s_per_step": mean["update_s"],
+        "update_tokens_per_s": update_tps,
+        "rollout/logprob_diff": steps[-1]["logprob_diff"],
+        "rollout/logprob_diff_max": max(s["logprob_diff"] for s in steps),
+        "update/logprob_diff": steps[-1]["update_logprob_diff"],
+        "peak_memory_gib": peak_mem,
+        "peak_memory_kind": "cuda max_memory_allocated" if cuda else "process max RSS",
+        "mfu": mfu,
+        "peak_tflops": args.peak_tflops if cuda else None,
+        "start_peak_memory_gib": start_peak_gib,
+        "start_host_rss_gib": start_rss_gib,
+        "params_changed": len(initial) - len(unchanged),
+        "params_total": len(initial),
+        "final_pg_loss": steps[-1]["pg_loss"],
+        "final_grad_norm": steps[-1]["grad_norm"],
+    }
 
     if args.vllm == "off":
         res["vllm"] = "skipped: --vllm off"
@@ -306,20 +376,40 @@ def main(argv=None) -> int:
             res["vllm"] = f"FAILED: {type(exc).__name__}: {exc}"
     res["modules_loaded"] = [m for m in ("ray", "vllm") if sys.modules.get(m) is not None]
 
-    rows = [("device", res["device"]), ("ranks", world), ("dtype", dtype), ("sharded (FSDP2)", res["sharded"]),
-            ("parameters", f"{params / 1e6:.1f}M"), ("sequences per step", seqs),
-            ("generation tokens/s (HFEngine)", f"{res['gen_tokens_per_s']:.0f}"),
-            ("weight sync s (weights -> load_weights)", f"{res['weight_sync_s']:.3f}"),
-            ("update s per step", f"{res['update_s_per_step']:.3f}"),
-            ("update tokens/s", f"{update_tps:.0f}"),
-            ("rollout/logprob_diff (last, max)",
-             f"{res['rollout/logprob_diff']:.2e}, {res['rollout/logprob_diff_max']:.2e}"),
-            (f"peak memory GiB ({res['peak_memory_kind']})", f"{peak_mem:.2f}"),
-            ("MFU", f"{mfu:.2%} of {args.peak_tflops:g} TFLOP/s bf16 (--peak-tflops)" if cuda else "n/a on CPU"),
-            ("parameters changed", f"{res['params_changed']}/{res['params_total']} tensors after {args.steps} steps"),
-            ("vllm", res["vllm"] + (f": {res['vllm_tokens_per_s']:.0f} tokens/s, logprob_diff after reload "
-                                    f"{res['vllm_logprob_diff_after_reload']:.2e}" if res["vllm"] == "ran" else "")),
-            ("ray / vllm imported", ", ".join(res["modules_loaded"]) or "neither")]
+    rows = [
+        ("device", res["device"]),
+        ("ranks", world),
+        ("dtype", dtype),
+        ("sharded (FSDP2)", res["sharded"]),
+        ("parameters", f"{params / 1e6:.1f}M"),
+        ("sequences per step", seqs),
+        ("generation tokens/s (HFEngine)", f"{res['gen_tokens_per_s']:.0f}"),
+        ("weight sync s (weights -> load_weights)", f"{res['weight_sync_s']:.3f}"),
+        ("update s per step", f"{res['update_s_per_step']:.3f}"),
+        ("update tokens/s", f"{update_tps:.0f}"),
+        (
+            "rollout/logprob_diff (last, max)",
+            f"{res['rollout/logprob_diff']:.2e}, {res['rollout/logprob_diff_max']:.2e}",
+        ),
+        (f"peak memory GiB ({res['peak_memory_kind']})", f"{peak_mem:.2f}"),
+        (
+            "at start: device peak GiB, host max RSS GiB",
+            f"{start_peak_gib if start_peak_gib is not None else float('nan'):.2f}, {start_rss_gib:.2f}",
+        ),
+        ("MFU", f"{mfu:.2%} of {args.peak_tflops:g} TFLOP/s bf16 (--peak-tflops)" if cuda else "n/a on CPU"),
+        ("parameters changed", f"{res['params_changed']}/{res['params_total']} tensors after {args.steps} steps"),
+        (
+            "vllm",
+            res["vllm"]
+            + (
+                f": {res['vllm_tokens_per_s']:.0f} tokens/s, logprob_diff after reload "
+                f"{res['vllm_logprob_diff_after_reload']:.2e}"
+                if res["vllm"] == "ran"
+                else ""
+            ),
+        ),
+        ("ray / vllm imported", ", ".join(res["modules_loaded"]) or "neither"),
+    ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"| {k:<{width}} | {v} |" for k, v in rows))
     if args.out:

@@ -33,9 +33,17 @@ from dataclasses import replace
 
 import torch
 
-BENCH_CONFIG = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
-                    num_key_value_heads=6, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-5,
-                    tie_word_embeddings=False)
+BENCH_CONFIG = dict(
+    hidden_size=384,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    head_dim=64,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 VOCAB = 8192
 
 
@@ -47,8 +55,14 @@ def build_model(path: str) -> int:
     vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 3)])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                                        unk_token="<unk>", padding_side="left", model_max_length=256)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+        model_max_length=256,
+    )
     config = LlamaConfig(vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=None, **BENCH_CONFIG)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -84,10 +98,12 @@ def update_time(model, prompts, completions, micro_batch: int = 64) -> float:
     start = time.perf_counter()
     with torch.no_grad():
         for i in range(0, len(seqs), micro_batch):
-            model(input_ids=ids[i:i + micro_batch], attention_mask=mask[i:i + micro_batch], use_cache=False)
+            model(input_ids=ids[i : i + micro_batch], attention_mask=mask[i : i + micro_batch], use_cache=False)
     model.train()
     for i in range(0, len(seqs), micro_batch):
-        logits = model(input_ids=ids[i:i + micro_batch], attention_mask=mask[i:i + micro_batch], use_cache=False).logits
+        logits = model(
+            input_ids=ids[i : i + micro_batch], attention_mask=mask[i : i + micro_batch], use_cache=False
+        ).logits
         logits.float().log_softmax(-1).mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -98,9 +114,8 @@ def update_time(model, prompts, completions, micro_batch: int = 64) -> float:
 def ray_sync_times(path: str, cfg, named: list, repeats: int) -> list[float]:
     """ray.put of the state dict + a RolloutWorker actor's load_weights, as driver.sync_weights does."""
     import ray
-
-    from cloudrl.trainer.batch import to_wire
-    from cloudrl.trainer.workers import RolloutWorker
+    from cloudrl.trainer.algo.batch import to_wire
+    from cloudrl.trainer.roles.workers import RolloutWorker
 
     named = [(name, to_wire(t)) for name, t in named]  # as PolicyWorker.weights sends them
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -125,17 +140,20 @@ def main() -> None:
     args = parser.parse_args()
 
     from cloudrl.trainer.config import load_config
-    from cloudrl.trainer.rollout import HFEngine, SamplingSettings
-    from cloudrl.trainer.vllm_engine import VLLMEngine
+    from cloudrl.trainer.rollout.engines import HFEngine, SamplingSettings
+    from cloudrl.trainer.rollout.vllm_engine import VLLMEngine
 
     path = tempfile.mkdtemp(prefix="cloudrl-bench-")
     n_params = build_model(path)
     prompts = make_prompts(args.prompts)
     settings = SamplingSettings(n=1, max_new_tokens=args.new_tokens, temperature=1.0, seed=1)
-    cfg = load_config("local", ["rollout.engine=vllm", f"rollout.max_new_tokens={args.new_tokens}",
-                                "data.max_prompt_length=64"])
-    print(f"model: {n_params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.new_tokens} new tokens, "
-          f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs ({platform.machine()})")
+    cfg = load_config(
+        "local", ["rollout.engine=vllm", f"rollout.max_new_tokens={args.new_tokens}", "data.max_prompt_length=64"]
+    )
+    print(
+        f"model: {n_params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.new_tokens} new tokens, "
+        f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs ({platform.machine()})"
+    )
 
     hf = HFEngine.load(path)
     hf_time, hf_tokens, _ = timed_generate(hf, prompts, settings, args.repeats)
@@ -159,21 +177,31 @@ def main() -> None:
     step = vllm_time + train_time
 
     size_mb = sum(t.numel() * t.element_size() for _, t in named) / 2**20
-    rows = [("engine", "tokens", "seconds", "tokens/s"),
-            ("hf", hf_tokens, f"{hf_time:.2f}", f"{hf_tokens / hf_time:.0f}"),
-            ("vllm", vllm_tokens, f"{vllm_time:.2f}", f"{vllm_tokens / vllm_time:.0f}")]
+    rows = [
+        ("engine", "tokens", "seconds", "tokens/s"),
+        ("hf", hf_tokens, f"{hf_time:.2f}", f"{hf_tokens / hf_time:.0f}"),
+        ("vllm", vllm_tokens, f"{vllm_time:.2f}", f"{vllm_tokens / vllm_time:.0f}"),
+    ]
     print()
     for row in rows:
         print(f"| {row[0]:<6} | {row[1]!s:>7} | {row[2]:>7} | {row[3]:>8} |")
     print(f"\nvllm / hf tokens per second: {(vllm_tokens / vllm_time) / (hf_tokens / hf_time):.2f}x")
-    print(f"weight sync ({size_mb:.0f} MiB): {ray_sync:.3f}s through the Ray object store, "
-          f"{local_sync:.3f}s in-process load_weights")
-    print(f"step without sync: {step:.2f}s (vllm rollout {vllm_time:.2f}s + old log-probs and one update "
-          f"{train_time:.2f}s)")
-    print(f"sync share of the step: {ray_sync / (step + ray_sync):.1%} (object store), "
-          f"{local_sync / (step + local_sync):.1%} (in-process)")
-    print(f"load average at the end (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
-          f"on {os.cpu_count()} CPUs; other work on the machine slows either engine")
+    print(
+        f"weight sync ({size_mb:.0f} MiB): {ray_sync:.3f}s through the Ray object store, "
+        f"{local_sync:.3f}s in-process load_weights"
+    )
+    print(
+        f"step without sync: {step:.2f}s (vllm rollout {vllm_time:.2f}s + old log-probs and one update "
+        f"{train_time:.2f}s)"
+    )
+    print(
+        f"sync share of the step: {ray_sync / (step + ray_sync):.1%} (object store), "
+        f"{local_sync / (step + local_sync):.1%} (in-process)"
+    )
+    print(
+        f"load average at the end (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())} "
+        f"on {os.cpu_count()} CPUs; other work on the machine slows either engine"
+    )
 
 
 if __name__ == "__main__":

@@ -23,19 +23,44 @@ import sys
 import tempfile
 from pathlib import Path
 
-PHASES = ("rollout", "rollout_wait", "reward", "ref", "values", "adv", "update", "sync",
-          "actor_between_updates", "engine_weight_wait", "step")
+PHASES = (
+    "rollout",
+    "rollout_wait",
+    "reward",
+    "ref",
+    "values",
+    "adv",
+    "update",
+    "sync",
+    "actor_between_updates",
+    "engine_weight_wait",
+    "step",
+)
 
 
 def run(preset: str, overrides: list[str], run_dir: Path) -> list[dict]:
-    args = [f"trainer.run_dir={run_dir}", "trainer.val_every=0", "trainer.save_every=0", "trainer.loggers=[jsonl]",
-            "trainer.export_hf=false", "trainer.resume=never", *overrides]
+    args = [
+        f"trainer.run_dir={run_dir}",
+        "trainer.val_every=0",
+        "trainer.save_every=0",
+        "trainer.loggers=[jsonl]",
+        "trainer.export_hf=false",
+        "trainer.resume=never",
+        *overrides,
+    ]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "cloudrl.trainer", "--preset", preset, *args], env=env,
-                          capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cloudrl.trainer", "--preset", preset, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if proc.returncode:
-        sys.exit(f"error: the run with {' '.join(overrides) or 'the preset as shipped'} failed: "
-                 f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+        sys.exit(
+            f"error: the run with {' '.join(overrides) or 'the preset as shipped'} failed: "
+            f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}"
+        )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "timing/step" in r]
 
@@ -65,13 +90,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{phase:<22}" + "".join(f"{r[phase]:>14.4f}" for r in results.values()))
     turn, lag = results["in turn"], results["policy_lag=1"]
     print("(with policy_lag=1 the next step starts while the update runs, so the phases overlap and do not add up)")
-    print(f"\nweight sync share of a step, in turn: {turn['sync'] / turn['step']:.1%} (with policy_lag=1 "
-          f"the driver does not wait for it)")
+    print(
+        f"\nweight sync share of a step, in turn: {turn['sync'] / turn['step']:.1%} (with policy_lag=1 "
+        f"the driver does not wait for it)"
+    )
     saved = turn["step"] - lag["step"]
-    print(f"generation per step in turn (the driver waiting for the engines): {turn['rollout_wait']:.4f} s; "
-          f"step time saved with policy_lag=1: {saved:.4f} s, {saved / turn['rollout_wait']:.0%} of it")
-    print(f"the actor between two updates: {turn['actor_between_updates']:.4f} s in turn, "
-          f"{lag['actor_between_updates']:.4f} s with policy_lag=1 (its other calls, log-probs and weight export, included)")
+    print(
+        f"generation per step in turn (the driver waiting for the engines): {turn['rollout_wait']:.4f} s; "
+        f"step time saved with policy_lag=1: {saved:.4f} s, {saved / turn['rollout_wait']:.0%} of it"
+    )
+    print(
+        f"the actor between two updates: {turn['actor_between_updates']:.4f} s in turn, "
+        f"{lag['actor_between_updates']:.4f} s with policy_lag=1 (its other calls, log-probs and weight export, included)"
+    )
     print(f"step time, policy_lag=1 / in turn: {lag['step'] / turn['step']:.2f}x")
     return 0
 

@@ -61,13 +61,13 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_logged(cmd: list[str], logfile: Path, env: dict | None = None, cwd: Path | None = None,
-               timeout: float = STEP_TIMEOUT_S) -> None:
+def run_logged(
+    cmd: list[str], logfile: Path, env: dict | None = None, cwd: Path | None = None, timeout: float = STEP_TIMEOUT_S
+) -> None:
     """Run `cmd` in its own session (its own process tree), output to `logfile`; on a non-zero
     exit or a timeout, end that tree and raise with the log's last lines."""
     with open(logfile, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -85,8 +85,7 @@ def run_logged(cmd: list[str], logfile: Path, env: dict | None = None, cwd: Path
 def clean_env(threads: int | None = None) -> dict:
     """The environment for a benchmarked process: no cluster address (cloudrl starts its own local
     Ray), and thread counts left to each framework's default unless `threads` is given."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     if threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
@@ -108,28 +107,37 @@ def ensure_trl_venv(transformers_version: str) -> dict:
     stamp = VENV / "bench-pins.json"
     if venv_python().exists() and stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return probe_venv()
-    log(f"setting up {VENV.relative_to(REPO)} (once; 1-2 minutes): "
-        + ", ".join(f"{k}=={v}" for k, v in wanted.items() if k != "cloudrl") + f", cloudrl -e {REPO}")
+    log(
+        f"setting up {VENV.relative_to(REPO)} (once; 1-2 minutes): "
+        + ", ".join(f"{k}=={v}" for k, v in wanted.items() if k != "cloudrl")
+        + f", cloudrl -e {REPO}"
+    )
     if not venv_python().exists():
         base = getattr(sys, "_base_executable", sys.executable)
         run_logged([base, "-m", "venv", str(VENV)], Path(tempfile.gettempdir()) / "trl_grpo-venv.log")
     install_log = VENV / "install.log"
     pkgs = [f"{k}=={v}" for k, v in wanted.items() if k != "cloudrl"]
     run_logged([str(venv_python()), "-m", "pip", "install", "--quiet", *pkgs], install_log, timeout=1800)
-    run_logged([str(venv_python()), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(REPO)],
-               VENV / "install-cloudrl.log", timeout=600)
+    run_logged(
+        [str(venv_python()), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(REPO)],
+        VENV / "install-cloudrl.log",
+        timeout=600,
+    )
     versions = probe_venv()
     stamp.write_text(json.dumps(wanted, indent=1))
     return versions
 
 
 def probe_venv() -> dict:
-    code = ("import json, torch, transformers, trl, accelerate, datasets, cloudrl.trainer.rewards as r; "
-            "print(json.dumps({m.__name__: m.__version__ for m in (torch, transformers, trl, accelerate, datasets)}))")
+    code = (
+        "import json, torch, transformers, trl, accelerate, datasets, cloudrl.trainer.inputs.rewards as r; "
+        "print(json.dumps({m.__name__: m.__version__ for m in (torch, transformers, trl, accelerate, datasets)}))"
+    )
     proc = subprocess.run([str(venv_python()), "-c", code], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise BenchError(f"{VENV.relative_to(REPO)} is broken ({proc.stderr.strip().splitlines()[-1:]}): "
-                         f"delete it and run again")
+        raise BenchError(
+            f"{VENV.relative_to(REPO)} is broken ({proc.stderr.strip().splitlines()[-1:]}): delete it and run again"
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -143,18 +151,33 @@ def cloudrl_overrides(a) -> list[str]:
     n = a.generations
     mini = a.prompts_per_step * n
     return [
-        "algorithm.name=grpo", "algorithm.kl_coef=0",          # TRL: beta=0.0 (no reference model)
-        "algorithm.grpo_norm_by_std=true",                     # TRL: scale_rewards="group"
+        "algorithm.name=grpo",
+        "algorithm.kl_coef=0",  # TRL: beta=0.0 (no reference model)
+        "algorithm.grpo_norm_by_std=true",  # TRL: scale_rewards="group"
         f"model.sft_warmup_steps={a.sft_warmup_steps}",
-        f"data.train_batch_size={a.prompts_per_step}", f"rollout.n={n}",
+        f"data.train_batch_size={a.prompts_per_step}",
+        f"rollout.n={n}",
         f"rollout.max_new_tokens={a.max_new_tokens}",
-        "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=-1",
-        f"actor.lr={a.lr}", "actor.warmup_steps=0", "actor.weight_decay=0.0", "actor.grad_clip=1.0",
-        "actor.clip_low=0.2", "actor.clip_high=0.2", "actor.ppo_epochs=1",  # TRL: epsilon=0.2, num_iterations=1
-        f"actor.mini_batch_size={mini}", f"actor.micro_batch_size={mini}",
-        "model.dtype=float32", "model.gradient_checkpointing=false",
-        f"trainer.total_steps={a.steps}", "trainer.val_every=0", "trainer.save_every=0",
-        "trainer.loggers=[jsonl]", "trainer.export_hf=false", "trainer.resume=never",
+        "rollout.temperature=1.0",
+        "rollout.top_p=1.0",
+        "rollout.top_k=-1",
+        f"actor.lr={a.lr}",
+        "actor.warmup_steps=0",
+        "actor.weight_decay=0.0",
+        "actor.grad_clip=1.0",
+        "actor.clip_low=0.2",
+        "actor.clip_high=0.2",
+        "actor.ppo_epochs=1",  # TRL: epsilon=0.2, num_iterations=1
+        f"actor.mini_batch_size={mini}",
+        f"actor.micro_batch_size={mini}",
+        "model.dtype=float32",
+        "model.gradient_checkpointing=false",
+        f"trainer.total_steps={a.steps}",
+        "trainer.val_every=0",
+        "trainer.save_every=0",
+        "trainer.loggers=[jsonl]",
+        "trainer.export_hf=false",
+        "trainer.resume=never",
     ]
 
 
@@ -162,8 +185,8 @@ def prepare_inputs(overrides: list[str], workdir: Path) -> tuple[str, Path, int]
     """Materialise the model exactly as the cloudrl run will (same config -> same directory) and
     write the training prompts, as text plus cloudrl's token ids, for the TRL worker."""
     from cloudrl.trainer.config import load_config
-    from cloudrl.trainer.data import load_prompts
-    from cloudrl.trainer.models import load_tokenizer, quiet_transformers, resolve_path
+    from cloudrl.trainer.inputs.data import load_prompts
+    from cloudrl.trainer.inputs.models import load_tokenizer, quiet_transformers, resolve_path
 
     quiet_transformers()
     cfg = load_config("local", overrides)
@@ -173,8 +196,9 @@ def prepare_inputs(overrides: list[str], workdir: Path) -> tuple[str, Path, int]
     prompts = workdir / "prompts.jsonl"
     with open(prompts, "w") as f:
         for r in records:
-            f.write(json.dumps({"prompt": r.prompt_text, "ground_truth": r.ground_truth,
-                                "prompt_ids": r.prompt_ids}) + "\n")
+            f.write(
+                json.dumps({"prompt": r.prompt_text, "ground_truth": r.ground_truth, "prompt_ids": r.prompt_ids}) + "\n"
+            )
     return model_dir, prompts, len(records)
 
 
@@ -190,18 +214,34 @@ def run_cloudrl(overrides: list[str], workdir: Path, tag: str, skip: int) -> dic
     times = [r["time"] for r in rows]
     return {
         "step_s": [r["timing/step"] for r in counted],
-        "interval_s": [b - a for a, b in zip(times[skip:], times[skip + 1:])],
+        "interval_s": [b - a for a, b in zip(times[skip:], times[skip + 1 :])],
         "length": [r["rollout/response_length"] for r in counted],
-        "phases": [{k[len("timing/"):]: v for k, v in r.items() if k.startswith("timing/")} for r in counted],
+        "phases": [{k[len("timing/") :]: v for k, v in r.items() if k.startswith("timing/")} for r in counted],
     }
 
 
 def run_trl(a, model_dir: str, prompts: Path, workdir: Path, tag: str, threads: int | None) -> dict:
     out = workdir / f"trl-{tag}.json"
-    cmd = [str(venv_python()), str(REPO / "bench" / "_trl_worker.py"), "--model-dir", model_dir,
-           "--prompts", str(prompts), "--steps", str(a.steps), "--lr", str(a.lr),
-           "--prompts-per-step", str(a.prompts_per_step), "--num-generations", str(a.generations),
-           "--max-new-tokens", str(a.max_new_tokens), "--out", str(out)]
+    cmd = [
+        str(venv_python()),
+        str(REPO / "bench" / "_trl_worker.py"),
+        "--model-dir",
+        model_dir,
+        "--prompts",
+        str(prompts),
+        "--steps",
+        str(a.steps),
+        "--lr",
+        str(a.lr),
+        "--prompts-per-step",
+        str(a.prompts_per_step),
+        "--num-generations",
+        str(a.generations),
+        "--max-new-tokens",
+        str(a.max_new_tokens),
+        "--out",
+        str(out),
+    ]
     run_logged(cmd, workdir / f"trl-{tag}.log", env=clean_env(threads), cwd=workdir)
     res = json.loads(out.read_text())
     skip = a.skip
@@ -235,15 +275,22 @@ def merge(runs: list[dict]) -> dict:
 # cloudrl's layouts. Ray gives each worker as many torch threads as CPUs it reserves, so
 # `threads` sets the CPUs of every worker that computes.
 LAYOUTS = {
-    "lean": ("rollout in actor, reward in driver",
-             lambda t: ["placement.rollout_in_actor=true", "reward.in_driver=true", f"actor.cpus_per_worker={t}"]),
+    "lean": (
+        "rollout in actor, reward in driver",
+        lambda t: ["placement.rollout_in_actor=true", "reward.in_driver=true", f"actor.cpus_per_worker={t}"],
+    ),
     "actor": ("rollout in actor", lambda t: ["placement.rollout_in_actor=true", f"actor.cpus_per_worker={t}"]),
     "workers": ("rollout worker", lambda t: [f"actor.cpus_per_worker={t}", f"rollout.cpus_per_engine={t}"]),
     # The engine generates the next batch while the actor trains: the two run at once, so they split the
     # threads (at 1 thread each still gets one, 2 in all).
-    "async": ("rollout worker, policy_lag=1",
-              lambda t: ["rollout.policy_lag=1", f"actor.cpus_per_worker={max(1, t // 2)}",
-                         f"rollout.cpus_per_engine={max(1, t - t // 2)}"]),
+    "async": (
+        "rollout worker, policy_lag=1",
+        lambda t: [
+            "rollout.policy_lag=1",
+            f"actor.cpus_per_worker={max(1, t // 2)}",
+            f"rollout.cpus_per_engine={max(1, t - t // 2)}",
+        ],
+    ),
 }
 
 
@@ -256,20 +303,34 @@ def main(argv=None) -> int:
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--generations", type=int, default=4, help="completions per prompt (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--sft-warmup-steps", type=int, default=0,
-                   help="format warm-up of builtin:tiny; 0 (default) keeps the random model, whose "
-                        "completions run to ~15 of the 16 tokens, so both sides generate the same amount")
-    p.add_argument("--threads", default=f"{os.cpu_count() or 1},1",
-                   help="torch thread counts to compare at, each for both sides (default: this machine's "
-                        f"CPU count, which is TRL's default, and 1: {os.cpu_count() or 1},1)")
-    p.add_argument("--layouts", default="lean,actor,workers,async",
-                   help="cloudrl layouts, any of: lean (placement.rollout_in_actor=true reward.in_driver=true: "
-                        "one worker generates and trains, the driver scores, as TRL's one process does), actor "
-                        "(the same with a reward worker) and workers (a separate rollout worker, weights synced "
-                        "every step, and a reward worker), async (workers with rollout.policy_lag=1: the "
-                        "next batch generates while the actor trains). Default: lean,actor,workers,async")
-    p.add_argument("--cloudrl-extra", default="", metavar="'KEY=VALUE ...'",
-                   help="more cloudrl overrides, space separated, to try a setting")
+    p.add_argument(
+        "--sft-warmup-steps",
+        type=int,
+        default=0,
+        help="format warm-up of builtin:tiny; 0 (default) keeps the random model, whose "
+        "completions run to ~15 of the 16 tokens, so both sides generate the same amount",
+    )
+    p.add_argument(
+        "--threads",
+        default=f"{os.cpu_count() or 1},1",
+        help="torch thread counts to compare at, each for both sides (default: this machine's "
+        f"CPU count, which is TRL's default, and 1: {os.cpu_count() or 1},1)",
+    )
+    p.add_argument(
+        "--layouts",
+        default="lean,actor,workers,async",
+        help="cloudrl layouts, any of: lean (placement.rollout_in_actor=true reward.in_driver=true: "
+        "one worker generates and trains, the driver scores, as TRL's one process does), actor "
+        "(the same with a reward worker) and workers (a separate rollout worker, weights synced "
+        "every step, and a reward worker), async (workers with rollout.policy_lag=1: the "
+        "next batch generates while the actor trains). Default: lean,actor,workers,async",
+    )
+    p.add_argument(
+        "--cloudrl-extra",
+        default="",
+        metavar="'KEY=VALUE ...'",
+        help="more cloudrl overrides, space separated, to try a setting",
+    )
     p.add_argument("--keep", action="store_true", help="keep the run directories and logs")
     a = p.parse_args(argv)
     if a.steps <= a.skip:
@@ -286,8 +347,11 @@ def main(argv=None) -> int:
         import torch
         import transformers
     except ImportError as exc:
-        print(f"[trl_grpo] error: cloudrl is not importable from {sys.executable} ({exc}): run this with "
-              f"the project's Python, e.g. /work/venv/bin/python bench/trl_grpo.py", file=sys.stderr)
+        print(
+            f"[trl_grpo] error: cloudrl is not importable from {sys.executable} ({exc}): run this with "
+            f"the project's Python, e.g. /work/venv/bin/python bench/trl_grpo.py",
+            file=sys.stderr,
+        )
         return 1
 
     workdir = Path(tempfile.mkdtemp(prefix="trl-grpo-bench-"))
@@ -322,13 +386,17 @@ def main(argv=None) -> int:
         return 1
 
     print()
-    print(f"GRPO, builtin:tiny on builtin:arithmetic: {a.prompts_per_step} prompts x {a.generations} = "
-          f"{a.prompts_per_step * a.generations} completions/step, max {a.max_new_tokens} new tokens, lr {a.lr}, "
-          f"beta 0, 1 iteration, float32, CPU")
+    print(
+        f"GRPO, builtin:tiny on builtin:arithmetic: {a.prompts_per_step} prompts x {a.generations} = "
+        f"{a.prompts_per_step * a.generations} completions/step, max {a.max_new_tokens} new tokens, lr {a.lr}, "
+        f"beta 0, 1 iteration, float32, CPU"
+    )
     print(f"{a.rounds} round(s) x {a.steps} steps per configuration, first {a.skip} of each run skipped")
     print()
-    head = (f"{'engine':<52}{'threads':>8}{'s/step':>8}{'wall s/step':>13}{'steps':>7}{'compl. len':>12}"
-            f"{'vs TRL':>8}{'rounds':>8}  per-round medians")
+    head = (
+        f"{'engine':<52}{'threads':>8}{'s/step':>8}{'wall s/step':>13}{'steps':>7}{'compl. len':>12}"
+        f"{'vs TRL':>8}{'rounds':>8}  per-round medians"
+    )
     print(head)
     print("-" * len(head))
     verdicts = []
@@ -341,36 +409,55 @@ def main(argv=None) -> int:
             # Per round: this configuration's median over TRL's median in the same round (taken
             # minutes apart, so slow spells of the machine hit both).
             per_round = [x / y for x, y in zip(m["round_medians"], trl["round_medians"])]
-            print(f"{name:<52}{t:>8}{med(m['step_s']):>8.3f}{med(m['interval_s']):>13.3f}{len(m['step_s']):>7}"
-                  f"{statistics.mean(m['length']):>12.1f}{ratio:>7.2f}x{med(per_round):>7.2f}x  "
-                  + " ".join(f"{x:.3f}" for x in m["round_medians"]))
+            print(
+                f"{name:<52}{t:>8}{med(m['step_s']):>8.3f}{med(m['interval_s']):>13.3f}{len(m['step_s']):>7}"
+                f"{statistics.mean(m['length']):>12.1f}{ratio:>7.2f}x{med(per_round):>7.2f}x  "
+                + " ".join(f"{x:.3f}" for x in m["round_medians"])
+            )
             if side != "trl":
                 verdicts.append((name, t, ratio, per_round))
-    print("s/step: median over all counted steps (cloudrl timing/step; TRL on_step_begin->on_step_end); "
-          "wall s/step: between consecutive step ends,\neverything either side does per step. vs TRL: wall "
-          "s/step over TRL's at the same thread count; rounds: median of the per-round ratios.")
+    print(
+        "s/step: median over all counted steps (cloudrl timing/step; TRL on_step_begin->on_step_end); "
+        "wall s/step: between consecutive step ends,\neverything either side does per step. vs TRL: wall "
+        "s/step over TRL's at the same thread count; rounds: median of the per-round ratios."
+    )
     print()
     for name, t, ratio, per_round in verdicts:
-        print(f"ratio {name}, {t} thread(s) / TRL: {ratio:.3f}x pooled, {med(per_round):.3f}x median of "
-              f"{len(per_round)} rounds (range {min(per_round):.3f}-{max(per_round):.3f}; "
-              f"{sum(r <= 1.0 for r in per_round)} of {len(per_round)} at or below 1.0) "
-              f"(target <= 1.00x: {'met' if ratio <= 1.0 else 'NOT met'})")
+        print(
+            f"ratio {name}, {t} thread(s) / TRL: {ratio:.3f}x pooled, {med(per_round):.3f}x median of "
+            f"{len(per_round)} rounds (range {min(per_round):.3f}-{max(per_round):.3f}; "
+            f"{sum(r <= 1.0 for r in per_round)} of {len(per_round)} at or below 1.0) "
+            f"(target <= 1.00x: {'met' if ratio <= 1.0 else 'NOT met'})"
+        )
 
     # Where the time goes: per step, then the median over steps of each part.
     # cloudrl's phases: with policy_lag=1 they overlap (the next step starts while the update runs),
     # so they do not add up to the step; actor_between_updates and engine_weight_wait show what each
     # side waited.
-    names = ["rollout_wait", "reward", "ref", "adv", "update_actor", "sync", "actor_between_updates",
-             "engine_weight_wait"]
+    names = [
+        "rollout_wait",
+        "reward",
+        "ref",
+        "adv",
+        "update_actor",
+        "sync",
+        "actor_between_updates",
+        "engine_weight_wait",
+    ]
     print()
     for (side, t), rs in runs.items():
         m = merge(rs)
         if side == "trl":
-            parts = [{"generate": ph.get("generate", 0.0), "reward": ph.get("reward", 0.0),
-                      "adv+rest of prepare": ph.get("prepare", 0.0) - ph.get("generate", 0.0) - ph.get("reward", 0.0),
-                      "train forward": ph.get("loss_forward", 0.0),
-                      "backward+optimizer+rest": s_ - ph.get("prepare", 0.0) - ph.get("loss_forward", 0.0)}
-                     for ph, s_ in zip(m["phases"], m["step_s"])]
+            parts = [
+                {
+                    "generate": ph.get("generate", 0.0),
+                    "reward": ph.get("reward", 0.0),
+                    "adv+rest of prepare": ph.get("prepare", 0.0) - ph.get("generate", 0.0) - ph.get("reward", 0.0),
+                    "train forward": ph.get("loss_forward", 0.0),
+                    "backward+optimizer+rest": s_ - ph.get("prepare", 0.0) - ph.get("loss_forward", 0.0),
+                }
+                for ph, s_ in zip(m["phases"], m["step_s"])
+            ]
             label = f"TRL, {t} thread(s)"
         else:
             parts = [{"step": ph["step"], **{n: ph.get(n, 0.0) for n in names}} for ph in m["phases"]]
@@ -378,13 +465,17 @@ def main(argv=None) -> int:
         print(f"{label}, medians (s): " + "  ".join(f"{k} {med([q[k] for q in parts]):.3f}" for k in parts[0]))
 
     load_after = os.getloadavg()
-    print(f"\nmachine: nproc {os.cpu_count()}, {platform.processor() or platform.machine()}, python "
-          f"{platform.python_version()}; cloudrl side torch {torch.__version__}, transformers "
-          f"{transformers.__version__}; TRL side trl {venv_versions['trl']}, torch {venv_versions['torch']}, "
-          f"transformers {venv_versions['transformers']}, accelerate {venv_versions['accelerate']}, "
-          f"datasets {venv_versions['datasets']}")
-    print(f"load average (1 min) before/after: {load_before[0]:.1f}/{load_after[0]:.1f}; "
-          f"total {time.time() - started:.0f}s")
+    print(
+        f"\nmachine: nproc {os.cpu_count()}, {platform.processor() or platform.machine()}, python "
+        f"{platform.python_version()}; cloudrl side torch {torch.__version__}, transformers "
+        f"{transformers.__version__}; TRL side trl {venv_versions['trl']}, torch {venv_versions['torch']}, "
+        f"transformers {venv_versions['transformers']}, accelerate {venv_versions['accelerate']}, "
+        f"datasets {venv_versions['datasets']}"
+    )
+    print(
+        f"load average (1 min) before/after: {load_before[0]:.1f}/{load_after[0]:.1f}; "
+        f"total {time.time() - started:.0f}s"
+    )
     if a.keep:
         print(f"runs and logs: {workdir}")
     else:

@@ -10,7 +10,7 @@ dstack are imported inside the modules' functions, so `cloudrl --help` stays fas
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -23,17 +23,27 @@ app = typer.Typer(
     # Locals in a traceback could show secrets passed with --env.
     pretty_exceptions_show_locals=False,
 )
-local_app = typer.Typer(cls=OneLineErrors, no_args_is_help=True,
-                        help="A Ray cluster on this machine (127.0.0.1), for the whole flow without a cloud.")
+local_app = typer.Typer(
+    cls=OneLineErrors,
+    no_args_is_help=True,
+    help="A Ray cluster on this machine (127.0.0.1), for the whole flow without a cloud.",
+)
 app.add_typer(local_app, name="local")
 
-AddressOpt = Annotated[Optional[str], typer.Option(
-    "--address", "-a", show_default=False,
-    help="The Ray dashboard's URL. Default: $RAY_ADDRESS, else http://127.0.0.1:8265 (where `dstack apply` "
-         "and `cloudrl dashboard` forward it).")]
+AddressOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--address",
+        "-a",
+        show_default=False,
+        help="The Ray dashboard's URL. Default: $RAY_ADDRESS, else http://127.0.0.1:8265 (where `dstack apply` "
+        "and `cloudrl dashboard` forward it).",
+    ),
+]
 LocalOpt = Annotated[bool, typer.Option("--local", help="Use the cluster `cloudrl local up` started.")]
-JobArg = Annotated[str, typer.Argument(help="The job id `cloudrl submit` printed (see `cloudrl list`).",
-                                       show_default=False)]
+JobArg = Annotated[
+    str, typer.Argument(help="The job id `cloudrl submit` printed (see `cloudrl list`).", show_default=False)
+]
 
 
 def _client(address: str | None, local: bool) -> Any:
@@ -50,8 +60,10 @@ def _follow(client: Any, job_id: str, watch: Any = None) -> None:
         info = watch() if watch else follow(client, job_id)
     except Detached as exc:
         job_id = str(exc.args[0]) if exc.args else job_id
-        typer.echo(f"\ndetached from {job_id}; it keeps running. Stop it with: cloudrl stop {job_id}"
-                   f"{client.address.flag}", err=True)
+        typer.echo(
+            f"\ndetached from {job_id}; it keeps running. Stop it with: cloudrl stop {job_id}{client.address.flag}",
+            err=True,
+        )
         raise typer.Exit(130) from None
     typer.echo(f"job {getattr(info, 'submission_id', None) or job_id} {info.status}")
 
@@ -63,40 +75,97 @@ def _follow(client: Any, job_id: str, watch: Any = None) -> None:
 
 @app.command(epilog="Example: cloudrl submit --local trainer.total_steps=5 --follow")
 def submit(
-    overrides: Annotated[Optional[list[str]], typer.Argument(
-        metavar="[KEY=VALUE]...", show_default=False,
-        help="Config overrides, e.g. actor.lr=1e-6 algorithm.name=grpo (checked before anything is sent).")] = None,
-    preset: Annotated[str, typer.Option(
-        "--preset", "-p", help="Preset name from trainer/presets, or a path to your own YAML preset.")] = "local",
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[KEY=VALUE]...",
+            show_default=False,
+            help="Config overrides, e.g. actor.lr=1e-6 algorithm.name=grpo (checked before anything is sent).",
+        ),
+    ] = None,
+    preset: Annotated[
+        str, typer.Option("--preset", "-p", help="Preset name from trainer/presets, or a path to your own YAML preset.")
+    ] = "local",
     address: AddressOpt = None,
-    local: Annotated[bool, typer.Option(
-        "--local", help="Submit to the cluster on this machine; starts one (`cloudrl local up`) if none runs.")] = False,
-    follow: Annotated[bool, typer.Option(
-        "--follow", "-f", help="Stream the logs until the job ends; exit 0 only if it succeeded. "
-                               "Ctrl+C detaches and leaves the job running.")] = False,
-    name: Annotated[Optional[str], typer.Option(
-        "--name", "-n", show_default=False,
-        help="Job id to use (letters, digits, . _ -). Default: PRESET-DATE-TIME-XXXX.")] = None,
-    env: Annotated[Optional[list[str]], typer.Option(
-        "--env", "-e", show_default=False,
-        help="Name of a variable of this shell to pass to the job (repeatable); its value is never printed.")] = None,
-    dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Print the resolved config, every file that would be uploaded with its size, and "
-                          "the job request; contact no cluster.")] = False,
-    workdir: Annotated[Optional[Path], typer.Option(
-        "--workdir", "-w", show_default=False, file_okay=False,
-        help="Also ship this directory's tree (your own code) as the job's working directory; "
-             ".gitignore and .cloudrlignore patterns are left out.")] = None,
-    requirements: Annotated[Optional[Path], typer.Option(
-        "--requirements", "-r", show_default=False, dir_okay=False,
-        help="A requirements.txt whose packages Ray installs for the job on every node.")] = None,
-    pip: Annotated[Optional[list[str]], typer.Option(
-        "--pip", show_default=False, help="A package Ray installs for the job on every node (repeatable).")] = None,
-    reconnect_wait: Annotated[float, typer.Option(
-        "--reconnect-wait", min=0, metavar="SECONDS",
-        help="With --follow: when the cluster stops answering, wait this long for it to come back, then follow "
-             "the job again or, on a restarted cluster, submit it again to continue from its latest "
-             "checkpoint (0: fail at once).")] = 1800,
+    local: Annotated[
+        bool,
+        typer.Option(
+            "--local", help="Submit to the cluster on this machine; starts one (`cloudrl local up`) if none runs."
+        ),
+    ] = False,
+    follow: Annotated[
+        bool,
+        typer.Option(
+            "--follow",
+            "-f",
+            help="Stream the logs until the job ends; exit 0 only if it succeeded. "
+            "Ctrl+C detaches and leaves the job running.",
+        ),
+    ] = False,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            "--name",
+            "-n",
+            show_default=False,
+            help="Job id to use (letters, digits, . _ -). Default: PRESET-DATE-TIME-XXXX.",
+        ),
+    ] = None,
+    env: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--env",
+            "-e",
+            show_default=False,
+            help="Name of a variable of this shell to pass to the job (repeatable); its value is never printed.",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the resolved config, every file that would be uploaded with its size, and "
+            "the job request; contact no cluster.",
+        ),
+    ] = False,
+    workdir: Annotated[
+        Path | None,
+        typer.Option(
+            "--workdir",
+            "-w",
+            show_default=False,
+            file_okay=False,
+            help="Also ship this directory's tree (your own code) as the job's working directory; "
+            ".gitignore and .cloudrlignore patterns are left out.",
+        ),
+    ] = None,
+    requirements: Annotated[
+        Path | None,
+        typer.Option(
+            "--requirements",
+            "-r",
+            show_default=False,
+            dir_okay=False,
+            help="A requirements.txt whose packages Ray installs for the job on every node.",
+        ),
+    ] = None,
+    pip: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--pip", show_default=False, help="A package Ray installs for the job on every node (repeatable)."
+        ),
+    ] = None,
+    reconnect_wait: Annotated[
+        float,
+        typer.Option(
+            "--reconnect-wait",
+            min=0,
+            metavar="SECONDS",
+            help="With --follow: when the cluster stops answering, wait this long for it to come back, then follow "
+            "the job again or, on a restarted cluster, submit it again to continue from its latest "
+            "checkpoint (0: fail at once).",
+        ),
+    ] = 1800,
 ) -> None:
     """Check the config and the cluster in seconds, then run the trainer there as a Ray job.
 
@@ -129,12 +198,23 @@ def _start_local_cluster() -> None:
 
     typer.echo("no local cluster is running: starting one (as `cloudrl local up` would)")
     state = local_cluster.up(echo=typer.echo)
-    typer.echo(f"local cluster up: {state['num_nodes']} node(s) x {state['cpus_per_node']} CPUs, "
-               f"dashboard {state['dashboard_url']}; stop it with `cloudrl local down`")
+    typer.echo(
+        f"local cluster up: {state['num_nodes']} node(s) x {state['cpus_per_node']} CPUs, "
+        f"dashboard {state['dashboard_url']}; stop it with `cloudrl local down`"
+    )
 
 
-def _submit(sub: Any, cfg: Any, req: Any, env_values: dict, files: tuple, address: str | None, local: bool,
-            follow: bool, reconnect_wait: float) -> None:
+def _submit(
+    sub: Any,
+    cfg: Any,
+    req: Any,
+    env_values: dict,
+    files: tuple,
+    address: str | None,
+    local: bool,
+    follow: bool,
+    reconnect_wait: float,
+) -> None:
     """The cluster half of `submit`: start the local cluster if asked, preflight, send, follow (through a
     cluster restart, waiting up to `reconnect_wait` seconds for it to answer again)."""
     from .ray_api import ClusterClient, resolve_address
@@ -143,8 +223,10 @@ def _submit(sub: Any, cfg: Any, req: Any, env_values: dict, files: tuple, addres
     client = ClusterClient(resolve_address(address, local, start_local=_start_local_cluster))
     typer.echo(sub.preflight(client, cfg))
     if files_zip is not None:
-        typer.echo(f"shipping {len(req.upload.files)} file(s) ({zipped / 1024**2:.1f} MiB zipped) as the job's "
-                   f"working directory")
+        typer.echo(
+            f"shipping {len(req.upload.files)} file(s) ({zipped / 1024**2:.1f} MiB zipped) as the job's "
+            f"working directory"
+        )
     job_id = sub.submit(client, req, env_values, files_zip)
     typer.echo(f"submitted {job_id} to {client.address.url}")
     typer.echo(sub.next_steps(client.address, job_id))
@@ -163,8 +245,9 @@ def _submit(sub: Any, cfg: Any, req: Any, env_values: dict, files: tuple, addres
 
 @app.command(epilog="Example: cloudrl status --local")
 def status(
-    job: Annotated[Optional[str], typer.Argument(
-        help="Job id; default: the latest job on the cluster.", show_default=False)] = None,
+    job: Annotated[
+        str | None, typer.Argument(help="Job id; default: the latest job on the cluster.", show_default=False)
+    ] = None,
     address: AddressOpt = None,
     local: LocalOpt = False,
 ) -> None:
@@ -176,13 +259,22 @@ def status(
 
 @app.command(epilog="Examples: cloudrl logs local-20250101-120000-a1b2 --follow; cloudrl logs --node 1")
 def logs(
-    job: Annotated[Optional[str], typer.Argument(
-        help="The job id `cloudrl submit` printed (see `cloudrl list`).", show_default=False)] = None,
-    follow: Annotated[bool, typer.Option(
-        "--follow", "-f", help="Stream until the job ends; exit 0 only if it succeeded. Ctrl+C detaches.")] = False,
-    node: Annotated[Optional[str], typer.Option(
-        "--node", metavar="N", show_default=False,
-        help="Instead of a job's logs: one node's Ray worker logs. N: 0 = the head, then by IP; or an IP or node id.")] = None,
+    job: Annotated[
+        str | None, typer.Argument(help="The job id `cloudrl submit` printed (see `cloudrl list`).", show_default=False)
+    ] = None,
+    follow: Annotated[
+        bool,
+        typer.Option("--follow", "-f", help="Stream until the job ends; exit 0 only if it succeeded. Ctrl+C detaches."),
+    ] = False,
+    node: Annotated[
+        str | None,
+        typer.Option(
+            "--node",
+            metavar="N",
+            show_default=False,
+            help="Instead of a job's logs: one node's Ray worker logs. N: 0 = the head, then by IP; or an IP or node id.",
+        ),
+    ] = None,
     lines: Annotated[int, typer.Option("--lines", help="With --node: the last lines of each file.")] = 50,
     glob: Annotated[str, typer.Option("--glob", help="With --node: which of Ray's log files.")] = "worker-*",
     address: AddressOpt = None,
@@ -225,20 +317,42 @@ def list_(address: AddressOpt = None, local: LocalOpt = False) -> None:
 
 @app.command(epilog="Examples: cloudrl dashboard    |    cloudrl dashboard --ssh me@head-node")
 def dashboard(
-    run: Annotated[Optional[str], typer.Argument(
-        help="dstack run name; default: the `name:` in tasks/ray-cluster.dstack.yml.", show_default=False)] = None,
-    ssh: Annotated[Optional[str], typer.Option(
-        "--ssh", metavar="HOST", show_default=False,
-        help="Forward with plain ssh from this host (user@host, an ~/.ssh/config alias, or "
-             "ssh://user@host:port) for clusters not made by dstack.")] = None,
-    port: Annotated[Optional[int], typer.Option(
-        "--port", "-p", show_default=False,
-        help="Local port on 127.0.0.1. Default: 8265 if free, else any free port; 0 = any free port.")] = None,
-    remote_port: Annotated[int, typer.Option(
-        "--remote-port", help="The dashboard's port on the head node.")] = 8265,
-    ssh_option: Annotated[Optional[list[str]], typer.Option(
-        "--ssh-option", "-o", metavar="KEY=VALUE", show_default=False,
-        help="Extra ssh option (repeatable), e.g. -o IdentityFile=~/.ssh/cluster.")] = None,
+    run: Annotated[
+        str | None,
+        typer.Argument(
+            help="dstack run name; default: the `name:` in tasks/ray-cluster.dstack.yml.", show_default=False
+        ),
+    ] = None,
+    ssh: Annotated[
+        str | None,
+        typer.Option(
+            "--ssh",
+            metavar="HOST",
+            show_default=False,
+            help="Forward with plain ssh from this host (user@host, an ~/.ssh/config alias, or "
+            "ssh://user@host:port) for clusters not made by dstack.",
+        ),
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            "--port",
+            "-p",
+            show_default=False,
+            help="Local port on 127.0.0.1. Default: 8265 if free, else any free port; 0 = any free port.",
+        ),
+    ] = None,
+    remote_port: Annotated[int, typer.Option("--remote-port", help="The dashboard's port on the head node.")] = 8265,
+    ssh_option: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--ssh-option",
+            "-o",
+            metavar="KEY=VALUE",
+            show_default=False,
+            help="Extra ssh option (repeatable), e.g. -o IdentityFile=~/.ssh/cluster.",
+        ),
+    ] = None,
 ) -> None:
     """Forward a cluster's Ray dashboard to 127.0.0.1 and keep it up until Ctrl+C.
 
@@ -256,18 +370,37 @@ def dashboard(
 from .data import RECIPES as _DATASETS  # noqa: E402  (stdlib-only module: the names for --help)
 
 
-@app.command("data", epilog="Examples: cloudrl data gsm8k --out data/gsm8k    |    "
-                            "cloudrl data gsm8k --out data/gsm8k --source ./gsm8k_saved")
+@app.command(
+    "data",
+    epilog="Examples: cloudrl data gsm8k --out data/gsm8k    |    "
+    "cloudrl data gsm8k --out data/gsm8k --source ./gsm8k_saved",
+)
 def data_(
-    name: Annotated[str, typer.Argument(
-        show_default=False, help="The dataset: " + "; ".join(f"{k}: {r.about}" for k, r in _DATASETS.items()))],
-    out: Annotated[str, typer.Option(
-        "--out", "-o", show_default=False,
-        help="Directory for train.parquet and test.parquet (created if missing); one the cluster can read.")],
-    source: Annotated[Optional[str], typer.Option(
-        "--source", "-s", show_default=False,
-        help="Read from here instead of the hub (offline): a directory written by save_to_disk, a directory of "
-             "the dataset's Parquet files, or another hub id DATASET[:CONFIG].")] = None,
+    name: Annotated[
+        str,
+        typer.Argument(
+            show_default=False, help="The dataset: " + "; ".join(f"{k}: {r.about}" for k, r in _DATASETS.items())
+        ),
+    ],
+    out: Annotated[
+        str,
+        typer.Option(
+            "--out",
+            "-o",
+            show_default=False,
+            help="Directory for train.parquet and test.parquet (created if missing); one the cluster can read.",
+        ),
+    ],
+    source: Annotated[
+        str | None,
+        typer.Option(
+            "--source",
+            "-s",
+            show_default=False,
+            help="Read from here instead of the hub (offline): a directory written by save_to_disk, a directory of "
+            "the dataset's Parquet files, or another hub id DATASET[:CONFIG].",
+        ),
+    ] = None,
 ) -> None:
     """Write a dataset as Parquet files in the trainer's layout (verl's columns), ready for data.train_files."""
     from .data import next_command, write_dataset
@@ -286,21 +419,39 @@ def data_(
 @local_app.command("up", epilog="Example: cloudrl local up --nodes 2")
 def local_up(
     nodes: Annotated[int, typer.Option("--nodes", "-n", min=1, help="Ray nodes to start on 127.0.0.1.")] = 1,
-    cpus: Annotated[Optional[int], typer.Option(
-        "--cpus", min=1, show_default=False,
-        help="Logical CPUs per node. Default: this machine's cores split over the nodes, at least 2 each "
-             "and enough for the local preset.")] = None,
-    gpus: Annotated[Optional[int], typer.Option(
-        "--gpus", min=0, show_default=False,
-        help="GPUs per node. Default: detected with one node, 0 with several (Ray would count each GPU "
-             "once per node).")] = None,
-    object_store_mb: Annotated[int, typer.Option(
-        "--object-store-mb", min=80, help="Ray object store per node, in MB.")] = 512,
-    dashboard_port: Annotated[int, typer.Option(
-        "--dashboard-port", min=0, envvar="CLOUDRL_LOCAL_DASHBOARD_PORT",
-        help="Dashboard port on 127.0.0.1; another free one if taken; 0 = any free port.")] = 8265,
-    timeout: Annotated[float, typer.Option(
-        "--timeout", help="Seconds to wait for all nodes to join.")] = 120.0,
+    cpus: Annotated[
+        int | None,
+        typer.Option(
+            "--cpus",
+            min=1,
+            show_default=False,
+            help="Logical CPUs per node. Default: this machine's cores split over the nodes, at least 2 each "
+            "and enough for the local preset.",
+        ),
+    ] = None,
+    gpus: Annotated[
+        int | None,
+        typer.Option(
+            "--gpus",
+            min=0,
+            show_default=False,
+            help="GPUs per node. Default: detected with one node, 0 with several (Ray would count each GPU "
+            "once per node).",
+        ),
+    ] = None,
+    object_store_mb: Annotated[
+        int, typer.Option("--object-store-mb", min=80, help="Ray object store per node, in MB.")
+    ] = 512,
+    dashboard_port: Annotated[
+        int,
+        typer.Option(
+            "--dashboard-port",
+            min=0,
+            envvar="CLOUDRL_LOCAL_DASHBOARD_PORT",
+            help="Dashboard port on 127.0.0.1; another free one if taken; 0 = any free port.",
+        ),
+    ] = 8265,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for all nodes to join.")] = 120.0,
 ) -> None:
     """Start a Ray cluster of N nodes on this machine and wait until every node has joined."""
     from . import local_cluster
@@ -308,10 +459,12 @@ def local_up(
 
     check_port("--dashboard-port", dashboard_port, zero_means_any=True)
     state = local_cluster.up(nodes, cpus, gpus, object_store_mb, dashboard_port, timeout, echo=typer.echo)
-    typer.echo(f"local cluster up: {nodes} node(s) x {state['cpus_per_node']} CPUs, "
-               f"dashboard {state['dashboard_url']}\n"
-               f"submit:  cloudrl submit --local\n"
-               f"stop it: cloudrl local down")
+    typer.echo(
+        f"local cluster up: {nodes} node(s) x {state['cpus_per_node']} CPUs, "
+        f"dashboard {state['dashboard_url']}\n"
+        f"submit:  cloudrl submit --local\n"
+        f"stop it: cloudrl local down"
+    )
 
 
 @local_app.command("down", epilog="Example: cloudrl local down")

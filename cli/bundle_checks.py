@@ -56,8 +56,10 @@ def _resource_specs(data: dict) -> list[tuple[str, Any]]:
     api = dstack_api()
     found = []
     entries = [("resources", data.get("resources"))] + [
-        (f"groups[{i}].resources", g.get("resources")) for i, g in enumerate(_list(data.get("groups")))
-        if isinstance(g, dict)]
+        (f"groups[{i}].resources", g.get("resources"))
+        for i, g in enumerate(_list(data.get("groups")))
+        if isinstance(g, dict)
+    ]
     for key, raw in entries:
         if isinstance(raw, dict):
             try:
@@ -85,11 +87,20 @@ def _vendor_problems(rel: str, data: dict) -> list[Problem]:
         if _vendor(spec, image, data.get("docker")) is None:
             raw = str((data.get("resources") if key == "resources" else _group(data, key).get("resources"))["gpu"])
             vendor = "amd" if "rocm" in str(data.get("image", "")).lower() else "nvidia"
-            why = ("with `image:` set dstack does not default to NVIDIA" if is_task
-                   else "a fleet does not default to NVIDIA")
-            problems.append(Problem(rel, f"{key}.gpu", f"{raw!r} names no GPU vendor: {why}, so the nodes may be "
-                                    "AMD, Intel Gaudi or another vendor the tasks' image cannot use",
-                                    f"name it: `gpu: {vendor}:{raw}`"))
+            why = (
+                "with `image:` set dstack does not default to NVIDIA"
+                if is_task
+                else "a fleet does not default to NVIDIA"
+            )
+            problems.append(
+                Problem(
+                    rel,
+                    f"{key}.gpu",
+                    f"{raw!r} names no GPU vendor: {why}, so the nodes may be "
+                    "AMD, Intel Gaudi or another vendor the tasks' image cannot use",
+                    f"name it: `gpu: {vendor}:{raw}`",
+                )
+            )
     return problems
 
 
@@ -117,11 +128,16 @@ def _secret_problems(rel: str, data: dict) -> list[Problem]:
     problems = []
     for key, name, value in _env_items(data):
         if value and SECRET_NAME.search(name) and "${{" not in value:
-            problems.append(Problem(
-                rel, key, f"writes the value of the secret {name} into the file: it is stored in plain text in the "
-                f"repository and with the run on the dstack server",
-                f"pass it by name (`- {name}`, read from your shell at `dstack apply`) or as a dstack secret "
-                f"(`- {name}=${{{{ secrets.{name.lower()} }}}}`)"))
+            problems.append(
+                Problem(
+                    rel,
+                    key,
+                    f"writes the value of the secret {name} into the file: it is stored in plain text in the "
+                    f"repository and with the run on the dstack server",
+                    f"pass it by name (`- {name}`, read from your shell at `dstack apply`) or as a dstack secret "
+                    f"(`- {name}=${{{{ secrets.{name.lower()} }}}}`)",
+                )
+            )
     return problems
 
 
@@ -133,12 +149,25 @@ def _image_problems(rel: str, data: dict) -> list[Problem]:
     if match:
         major, minor = match.group(1) or match.group(3), match.group(2) or match.group(4)
         if f"{major}.{minor}" != SUPPORTED_VLLM:
-            return [Problem(rel, "image", f"{image} ships vLLM {major}.{minor}, but cloudrl's vLLM rollouts and "
-                            f"weight sync need vLLM {SUPPORTED_VLLM}.x",
-                            f"use an image with vLLM {SUPPORTED_VLLM} (e.g. vllm/vllm-openai:v{SUPPORTED_VLLM}.0)")]
+            return [
+                Problem(
+                    rel,
+                    "image",
+                    f"{image} ships vLLM {major}.{minor}, but cloudrl's vLLM rollouts and "
+                    f"weight sync need vLLM {SUPPORTED_VLLM}.x",
+                    f"use an image with vLLM {SUPPORTED_VLLM} (e.g. vllm/vllm-openai:v{SUPPORTED_VLLM}.0)",
+                )
+            ]
     if image in UNCONFIRMED_IMAGES:
-        return [Problem(rel, "image", f"{image} was not confirmed to exist when this bundle was written",
-                        f"check it with `docker manifest inspect {image}` before `dstack apply`", warning=True)]
+        return [
+            Problem(
+                rel,
+                "image",
+                f"{image} was not confirmed to exist when this bundle was written",
+                f"check it with `docker manifest inspect {image}` before `dstack apply`",
+                warning=True,
+            )
+        ]
     return []
 
 
@@ -172,15 +201,27 @@ def _dashboard_port_problems(rel: str, data: dict) -> list[Problem]:
     problems = []
     if port not in head_ports:
         listed = f"forwards {', '.join(map(str, head_ports))} but" if head_ports else "does not forward"
-        problems.append(Problem(rel, head_key, f"{listed} the head's dashboard port {port} (Jobs API, `cloudrl "
-                                f"submit`), so `dstack apply` gives you no way to reach it",
-                                f"list `- {port}` under {head_key} (the bootstrap's dashboard port is "
-                                f"CLOUDRL_DASHBOARD_PORT, default {DASHBOARD_PORT})"))
+        problems.append(
+            Problem(
+                rel,
+                head_key,
+                f"{listed} the head's dashboard port {port} (Jobs API, `cloudrl "
+                f"submit`), so `dstack apply` gives you no way to reach it",
+                f"list `- {port}` under {head_key} (the bootstrap's dashboard port is "
+                f"CLOUDRL_DASHBOARD_PORT, default {DASHBOARD_PORT})",
+            )
+        )
     for i, group in enumerate(groups[1:], 1):
         if port in _container_ports(group.get("ports")):
-            problems.append(Problem(rel, f"groups[{i}].ports", f"lists the dashboard port {port} on a worker group: "
-                                    "only the head (rank 0) serves the dashboard, workers keep it closed",
-                                    f"remove {port} from this group's ports; the head group forwards it"))
+            problems.append(
+                Problem(
+                    rel,
+                    f"groups[{i}].ports",
+                    f"lists the dashboard port {port} on a worker group: "
+                    "only the head (rank 0) serves the dashboard, workers keep it closed",
+                    f"remove {port} from this group's ports; the head group forwards it",
+                )
+            )
     return problems
 
 
@@ -188,9 +229,15 @@ def _auth_problems(rel: str, data: dict) -> list[Problem]:
     env = {name: value for _, name, value in _env_items(data)}
     if "RAY_AUTH_TOKEN" in env or str(env.get("CLOUDRL_RAY_AUTH", "")).lower() == "off":
         return []
-    return [Problem(rel, "env", "does not pass RAY_AUTH_TOKEN: the bootstrap refuses to start Ray without token "
-                    "authentication", "add `- RAY_AUTH_TOKEN` (or `- RAY_AUTH_TOKEN=${{ secrets.ray_auth_token }}`) "
-                    "to env; `- CLOUDRL_RAY_AUTH=off` runs without it on a trusted network")]
+    return [
+        Problem(
+            rel,
+            "env",
+            "does not pass RAY_AUTH_TOKEN: the bootstrap refuses to start Ray without token authentication",
+            "add `- RAY_AUTH_TOKEN` (or `- RAY_AUTH_TOKEN=${{ secrets.ray_auth_token }}`) "
+            "to env; `- CLOUDRL_RAY_AUTH=off` runs without it on a trusted network",
+        )
+    ]
 
 
 def _files_vs_commands(rel: str, data: dict) -> list[Problem]:
@@ -209,15 +256,27 @@ def _files_vs_commands(rel: str, data: dict) -> list[Problem]:
     for shipped in sorted(landed):
         sibling = (Path(shipped).parent / "ray_bringup.py").as_posix()
         if Path(shipped).name == "ray-bootstrap.sh" and sibling not in landed:
-            problems.append(Problem(rel, "files", f"ships {shipped} without {sibling}, which its head runs (the "
-                                    "wait for the nodes, the fabric check, the ready line)",
-                                    f"add `- ray_bringup.py:{sibling}`"))
+            problems.append(
+                Problem(
+                    rel,
+                    "files",
+                    f"ships {shipped} without {sibling}, which its head runs (the "
+                    "wait for the nodes, the fabric check, the ready line)",
+                    f"add `- ray_bringup.py:{sibling}`",
+                )
+            )
     for key, command in _commands(data):
         for word in command.split():
             if SCRIPT_WORD.match(word) and not word.startswith("/") and Path(word).as_posix() not in landed:
-                problems.append(Problem(rel, key, f"runs {word}, which no `files:` entry ships (they land at: "
-                                        f"{', '.join(sorted(landed)) or 'nothing'})",
-                                        f"ship it (`- {Path(word).name}:{word}`) or run the path `files:` gives"))
+                problems.append(
+                    Problem(
+                        rel,
+                        key,
+                        f"runs {word}, which no `files:` entry ships (they land at: "
+                        f"{', '.join(sorted(landed)) or 'nothing'})",
+                        f"ship it (`- {Path(word).name}:{word}`) or run the path `files:` gives",
+                    )
+                )
     return problems
 
 
@@ -228,16 +287,23 @@ def script_problems(script: Path, root: Path) -> list[Problem]:
     rel = rel_path(script, root)
     raw = script.read_bytes()
     if b"\r\n" in raw:
-        line = raw[:raw.index(b"\r\n")].count(b"\n") + 1
-        return [Problem(rel, f"line {line}", "has Windows (CRLF) line endings: bash reads the `\\r` as part of "
-                        "each command", f"convert it to LF: `sed -i 's/\\r$//' {rel}` (or dos2unix)")]
+        line = raw[: raw.index(b"\r\n")].count(b"\n") + 1
+        return [
+            Problem(
+                rel,
+                f"line {line}",
+                "has Windows (CRLF) line endings: bash reads the `\\r` as part of each command",
+                f"convert it to LF: `sed -i 's/\\r$//' {rel}` (or dos2unix)",
+            )
+        ]
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
         first = result.stderr.strip().splitlines()[0] if result.stderr.strip() else "syntax error"
         where = re.search(r"line (\d+): (.*)", first)
         key, message = (f"line {where.group(1)}", where.group(2)) if where else ("-", first)
-        return [Problem(rel, key, f"bash cannot parse it ({message})", f"fix the syntax there; `bash -n {rel}` "
-                        "checks it")]
+        return [
+            Problem(rel, key, f"bash cannot parse it ({message})", f"fix the syntax there; `bash -n {rel}` checks it")
+        ]
     return []
 
 
@@ -270,8 +336,14 @@ def fleet_problems(files: list[Path], root: Path) -> list[Problem]:
         misfits = [(name, _compare(rel, data, task, name, *fleet)) for name, fleet in sorted(fleets.items())]
         if misfits and all(found for _, found in misfits):
             reasons = "; ".join(f"{found[0].key} {found[0].message}" for _, found in misfits)
-            problems.append(Problem(rel, "fleets", f"fits none of the bundle's fleets: {reasons}",
-                                    "make the task fit its fleet and name that fleet in `fleets:`"))
+            problems.append(
+                Problem(
+                    rel,
+                    "fleets",
+                    f"fits none of the bundle's fleets: {reasons}",
+                    "make the task fit its fleet and name that fleet in `fleets:`",
+                )
+            )
     return problems
 
 
@@ -285,36 +357,70 @@ def _compare(rel: str, data: dict, task: Any, name: str, fleet_rel: str, fleet: 
         most, what = (fleet.nodes.max if fleet.nodes.max is not None else None), "nodes at most"
     problems = []
     if most is not None and nodes > most:
-        problems.append(Problem(rel, "groups" if groups else "nodes", f"asks for {nodes} nodes but {where} has "
-                                f"{most} {what}: the run gets no offer", "lower it, or raise the fleet's "
-                                + ("hosts" if fleet.ssh_config else "`nodes` max (and target)")))
+        problems.append(
+            Problem(
+                rel,
+                "groups" if groups else "nodes",
+                f"asks for {nodes} nodes but {where} has {most} {what}: the run gets no offer",
+                "lower it, or raise the fleet's " + ("hosts" if fleet.ssh_config else "`nodes` max (and target)"),
+            )
+        )
     if fleet.ssh_config is not None:
         return problems  # SSH hosts have what they have: nothing more to compare from here
     ask_spot = task.spot_policy.value if task.spot_policy else "on-demand"
     fleet_spot = fleet.spot_policy.value if fleet.spot_policy else "on-demand"
     if ask_spot != fleet_spot and "auto" != ask_spot:
-        problems.append(Problem(rel, "spot_policy", f"is {ask_spot} but {where} provisions {fleet_spot} instances, "
-                                f"which a {ask_spot} run never uses", f"use the same spot_policy in both "
-                                f"(`spot_policy: {fleet_spot}` here, or {ask_spot} in the fleet)"))
+        problems.append(
+            Problem(
+                rel,
+                "spot_policy",
+                f"is {ask_spot} but {where} provisions {fleet_spot} instances, which a {ask_spot} run never uses",
+                f"use the same spot_policy in both (`spot_policy: {fleet_spot}` here, or {ask_spot} in the fleet)",
+            )
+        )
     specs = [(f"groups[{i}].resources", g.resources) for i, g in enumerate(groups)] or [("resources", task.resources)]
     res = fleet.resources
     for key, spec in specs:
         if spec.disk and res.disk and spec.disk.size.min and spec.disk.size.min > (res.disk.size.min or 0):
-            problems.append(Problem(rel, f"{key}.disk", f"asks for {spec.disk.size} of disk but {where} provisions "
-                                    f"{res.disk.size.min} disks (the smallest its `disk:` allows): no instance fits",
-                                    "ask for at most the fleet's disk, or raise the fleet's `disk:`"))
+            problems.append(
+                Problem(
+                    rel,
+                    f"{key}.disk",
+                    f"asks for {spec.disk.size} of disk but {where} provisions "
+                    f"{res.disk.size.min} disks (the smallest its `disk:` allows): no instance fits",
+                    "ask for at most the fleet's disk, or raise the fleet's `disk:`",
+                )
+            )
         if spec.memory.min and spec.memory.min > (res.memory.min or 0):
-            problems.append(Problem(rel, f"{key}.memory", f"asks for {spec.memory} of RAM but {where} only "
-                                    f"guarantees {res.memory}: its instances may have less",
-                                    "ask for at most the fleet's memory, or raise the fleet's `memory:`"))
+            problems.append(
+                Problem(
+                    rel,
+                    f"{key}.memory",
+                    f"asks for {spec.memory} of RAM but {where} only "
+                    f"guarantees {res.memory}: its instances may have less",
+                    "ask for at most the fleet's memory, or raise the fleet's `memory:`",
+                )
+            )
         if spec.gpu and res.gpu and spec.gpu.count.max != 0:
             task_vendor = _vendor(spec, task.image or "-", task.docker)
             fleet_vendor = _vendor(res, "-", None)
             if task_vendor and fleet_vendor and task_vendor != fleet_vendor:
-                problems.append(Problem(rel, f"{key}.gpu", f"asks for {task_vendor.value} GPUs but {where} has "
-                                        f"{fleet_vendor.value} GPUs", "use a fleet with the task's GPU vendor"))
+                problems.append(
+                    Problem(
+                        rel,
+                        f"{key}.gpu",
+                        f"asks for {task_vendor.value} GPUs but {where} has {fleet_vendor.value} GPUs",
+                        "use a fleet with the task's GPU vendor",
+                    )
+                )
             elif res.gpu.count.max is not None and (spec.gpu.count.min or 0) > res.gpu.count.max:
-                problems.append(Problem(rel, f"{key}.gpu", f"asks for {spec.gpu.count.min} GPUs per node but "
-                                        f"{where}'s nodes have at most {res.gpu.count.max}",
-                                        "ask for at most the fleet's GPUs per node"))
+                problems.append(
+                    Problem(
+                        rel,
+                        f"{key}.gpu",
+                        f"asks for {spec.gpu.count.min} GPUs per node but "
+                        f"{where}'s nodes have at most {res.gpu.count.max}",
+                        "ask for at most the fleet's GPUs per node",
+                    )
+                )
     return problems

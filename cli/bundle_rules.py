@@ -106,8 +106,14 @@ def _dir_rules(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
     folder = Path(rel).parts[0] if len(Path(rel).parts) > 1 else ""
     want = BUNDLE_DIRS.get(folder)
     if want and data.get("type") != want:
-        return [Problem(rel, "type", f"is `{data.get('type')}` but {folder}/ holds `type: {want}` files",
-                        f"move the file or set `type: {want}`")]
+        return [
+            Problem(
+                rel,
+                "type",
+                f"is `{data.get('type')}` but {folder}/ holds `type: {want}` files",
+                f"move the file or set `type: {want}`",
+            )
+        ]
     return []
 
 
@@ -117,28 +123,58 @@ def _name_rules(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
         return []
     suggestion = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")
     suggestion = re.sub(r"^[^a-z]+", "", suggestion)[:41] or "cloudrl"
-    return [Problem(rel, "name", f"{name!r} is rejected by the dstack server (^[a-z][a-z0-9-]{{1,40}}$)",
-                    f"use lowercase letters, digits and dashes, starting with a letter, e.g. `{suggestion}`")]
+    return [
+        Problem(
+            rel,
+            "name",
+            f"{name!r} is rejected by the dstack server (^[a-z][a-z0-9-]{{1,40}}$)",
+            f"use lowercase letters, digits and dashes, starting with a letter, e.g. `{suggestion}`",
+        )
+    ]
 
 
 def _fleet_kind_rules(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
     has_nodes, has_ssh = data.get("nodes") is not None, data.get("ssh_config") is not None
     if has_nodes and has_ssh:
-        return [Problem(rel, "ssh_config", "a fleet has either `nodes` (cloud) or `ssh_config` (your hosts), "
-                        "not both", "remove `nodes` for an SSH fleet, or `ssh_config` for a cloud fleet")]
+        return [
+            Problem(
+                rel,
+                "ssh_config",
+                "a fleet has either `nodes` (cloud) or `ssh_config` (your hosts), not both",
+                "remove `nodes` for an SSH fleet, or `ssh_config` for a cloud fleet",
+            )
+        ]
     if not has_nodes and not has_ssh:
-        return [Problem(rel, "nodes", "a fleet needs `nodes` (cloud) or `ssh_config` (your hosts)",
-                        "add `nodes: 2` for a cloud fleet or `ssh_config:` with `hosts:` for on-prem")]
+        return [
+            Problem(
+                rel,
+                "nodes",
+                "a fleet needs `nodes` (cloud) or `ssh_config` (your hosts)",
+                "add `nodes: 2` for a cloud fleet or `ssh_config:` with `hosts:` for on-prem",
+            )
+        ]
     dstack = dstack_models()
     problems = []
     if has_ssh:
         for key in sorted(dstack["cloud_fleet_keys"] & set(data)):
-            problems.append(Problem(rel, key, "is a cloud fleet key; the dstack server rejects it on an SSH fleet",
-                                    "remove it: SSH fleets use what the hosts have"))
+            problems.append(
+                Problem(
+                    rel,
+                    key,
+                    "is a cloud fleet key; the dstack server rejects it on an SSH fleet",
+                    "remove it: SSH fleets use what the hosts have",
+                )
+            )
     else:
         for key in sorted(dstack["ssh_fleet_keys"] & set(data)):
-            problems.append(Problem(rel, key, "is an SSH fleet key; the dstack server rejects it on a cloud fleet",
-                                    "remove it (set env in the task instead)" if key == "env" else "remove it"))
+            problems.append(
+                Problem(
+                    rel,
+                    key,
+                    "is an SSH fleet key; the dstack server rejects it on a cloud fleet",
+                    "remove it (set env in the task instead)" if key == "env" else "remove it",
+                )
+            )
     return problems
 
 
@@ -152,18 +188,39 @@ def _ssh_rules(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
         params = host if isinstance(host, dict) else {"hostname": host}
         name = params.get("hostname", f"#{i}")
         if not (params.get("user") or ssh.get("user")):
-            problems.append(Problem(rel, f"ssh_config.hosts[{i}]", f"no SSH user for host {name}",
-                                    "set `user:` under ssh_config (all hosts) or on the host"))
+            problems.append(
+                Problem(
+                    rel,
+                    f"ssh_config.hosts[{i}]",
+                    f"no SSH user for host {name}",
+                    "set `user:` under ssh_config (all hosts) or on the host",
+                )
+            )
         if not (params.get("identity_file") or ssh.get("identity_file")):
-            problems.append(Problem(rel, f"ssh_config.hosts[{i}]", f"no SSH key for host {name}",
-                                    "set `identity_file:` under ssh_config (all hosts) or on the host"))
+            problems.append(
+                Problem(
+                    rel,
+                    f"ssh_config.hosts[{i}]",
+                    f"no SSH key for host {name}",
+                    "set `identity_file:` under ssh_config (all hosts) or on the host",
+                )
+            )
         internal_ips += bool(params.get("internal_ip"))
     if internal_ips and internal_ips != len(ssh["hosts"]):
-        problems.append(Problem(rel, "ssh_config.hosts", "`internal_ip` is set on some hosts only",
-                                "set it on every host, or on none and use `network:`"))
+        problems.append(
+            Problem(
+                rel,
+                "ssh_config.hosts",
+                "`internal_ip` is set on some hosts only",
+                "set it on every host, or on none and use `network:`",
+            )
+        )
     if internal_ips and ssh.get("network"):
-        problems.append(Problem(rel, "ssh_config.network", "`network` and hosts' `internal_ip` exclude each other",
-                                "keep one of them"))
+        problems.append(
+            Problem(
+                rel, "ssh_config.network", "`network` and hosts' `internal_ip` exclude each other", "keep one of them"
+            )
+        )
     return problems
 
 
@@ -202,14 +259,32 @@ def _gpu_rules(rel: str, resources_key: str, resources: dict) -> list[Problem]:
         glued = GLUED_COUNT.match(str(name))
         if glued:
             gpu, count = (glued.group(2), glued.group(1)) if glued.group(1) else (glued.group(3), glued.group(4))
-            return [Problem(rel, key, f"dstack reads {spec!r} as one GPU named {name!r}, not {count} GPUs",
-                            f"write the count as its own token: `gpu: {str(spec).replace(str(name), f'{gpu}:{count}')}`")]
+            return [
+                Problem(
+                    rel,
+                    key,
+                    f"dstack reads {spec!r} as one GPU named {name!r}, not {count} GPUs",
+                    f"write the count as its own token: `gpu: {str(spec).replace(str(name), f'{gpu}:{count}')}`",
+                )
+            ]
         close = [known[c] for c in difflib.get_close_matches(str(name).lower(), sorted(known), n=3)]
-        return [Problem(rel, key, f"no GPU is named {name!r}, so dstack would find no offers",
-                        "use a GPU name dstack knows, e.g. " + (", ".join(close) if close else "H100, A100, MI300X"))]
+        return [
+            Problem(
+                rel,
+                key,
+                f"no GPU is named {name!r}, so dstack would find no offers",
+                "use a GPU name dstack knows, e.g. " + (", ".join(close) if close else "H100, A100, MI300X"),
+            )
+        ]
     if parsed.get("count") is None:
-        return [Problem(rel, key, f"{spec!r} gives no GPU count, which dstack reads as 1 or more GPUs",
-                        f"add the count per node, e.g. `gpu: {spec}:8`")]
+        return [
+            Problem(
+                rel,
+                key,
+                f"{spec!r} gives no GPU count, which dstack reads as 1 or more GPUs",
+                f"add the count per node, e.g. `gpu: {spec}:8`",
+            )
+        ]
     return []
 
 
@@ -226,8 +301,14 @@ def _files_rules(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
     problems = []
     for i, local in enumerate(_shipped(data)):
         if local is not None and not (path.parent / local).exists():
-            problems.append(Problem(rel, f"files[{i}]", f"ships {local}, which does not exist",
-                                    f"create it, or fix the path (relative to {rel_path(path.parent, root)}/)"))
+            problems.append(
+                Problem(
+                    rel,
+                    f"files[{i}]",
+                    f"ships {local}, which does not exist",
+                    f"create it, or fix the path (relative to {rel_path(path.parent, root)}/)",
+                )
+            )
     return problems
 
 
@@ -235,8 +316,11 @@ def _shipped(data: dict) -> list[str | None]:
     """The local paths of the task's `files:` entries (None where an entry is not understood)."""
     shipped: list[str | None] = []
     for entry in _list(data.get("files")):
-        local = entry.split(":", 1)[0] if isinstance(entry, str) else (
-            entry.get("local_path") if isinstance(entry, dict) else None)
+        local = (
+            entry.split(":", 1)[0]
+            if isinstance(entry, str)
+            else (entry.get("local_path") if isinstance(entry, dict) else None)
+        )
         shipped.append(local if isinstance(local, str) and local else None)
     return shipped
 
@@ -254,8 +338,11 @@ def _commands(data: dict) -> list[tuple[str, str]]:
     found = [(f"commands[{i}]", c) for i, c in enumerate(_list(data.get("commands"))) if isinstance(c, str)]
     for g, group in enumerate(_list(data.get("groups"))):
         if isinstance(group, dict):
-            found += [(f"groups[{g}].commands[{i}]", c)
-                      for i, c in enumerate(_list(group.get("commands"))) if isinstance(c, str)]
+            found += [
+                (f"groups[{g}].commands[{i}]", c)
+                for i, c in enumerate(_list(group.get("commands")))
+                if isinstance(c, str)
+            ]
     return found
 
 
@@ -263,7 +350,8 @@ def _is_multinode(data: dict) -> bool:
     nodes = data.get("nodes")
     groups = _list(data.get("groups"))
     return (isinstance(nodes, int) and nodes > 1) or sum(
-        g.get("nodes", 1) for g in groups if isinstance(g, dict) and isinstance(g.get("nodes", 1), int)) > 1
+        g.get("nodes", 1) for g in groups if isinstance(g, dict) and isinstance(g.get("nodes", 1), int)
+    ) > 1
 
 
 def _runs_ray(data: dict, path: Path) -> bool:
@@ -290,15 +378,21 @@ def _placement_rules(rel: str, data: dict, path: Path, root: Path) -> list[Probl
     hosts = (data.get("ssh_config") or {}).get("hosts") if isinstance(data.get("ssh_config"), dict) else None
     size = max(size, len(hosts) if isinstance(hosts, list) else 0)
     if size > 1 and data.get("placement") != "cluster":
-        return [Problem(rel, "placement", "dstack runs multi-node tasks only on fleets with cluster placement",
-                        "set `placement: cluster`")]
+        return [
+            Problem(
+                rel,
+                "placement",
+                "dstack runs multi-node tasks only on fleets with cluster placement",
+                "set `placement: cluster`",
+            )
+        ]
     return []
 
 
 def _ray_rules(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
     problems = []
     sources = [(rel, key, command) for key, command in _commands(data)]
-    for i, local in enumerate(_shipped(data)):
+    for local in _shipped(data):
         script = path.parent / local if local else None
         if script is None or not script.is_file():
             continue
@@ -309,19 +403,35 @@ def _ray_rules(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
             continue
         pin = RAY_PIN.search(text)
         if pin is None:
-            problems.append(Problem(script_rel, "CLOUDRL_RAY_VERSION", "starts Ray without cloudrl's version pin",
-                                    f'add CLOUDRL_RAY_VERSION="{RAY_VERSION}" and install ray[default]==that'))
+            problems.append(
+                Problem(
+                    script_rel,
+                    "CLOUDRL_RAY_VERSION",
+                    "starts Ray without cloudrl's version pin",
+                    f'add CLOUDRL_RAY_VERSION="{RAY_VERSION}" and install ray[default]==that',
+                )
+            )
         elif pin.group(1) != RAY_VERSION:
-            problems.append(Problem(script_rel, "CLOUDRL_RAY_VERSION",
-                                    f"pins Ray {pin.group(1)} but cloudrl pins {RAY_VERSION}: the client on your "
-                                    f"machine would not match the cluster",
-                                    f'set CLOUDRL_RAY_VERSION="{RAY_VERSION}" (cli/pins.py)'))
+            problems.append(
+                Problem(
+                    script_rel,
+                    "CLOUDRL_RAY_VERSION",
+                    f"pins Ray {pin.group(1)} but cloudrl pins {RAY_VERSION}: the client on your "
+                    f"machine would not match the cluster",
+                    f'set CLOUDRL_RAY_VERSION="{RAY_VERSION}" (cli/pins.py)',
+                )
+            )
     for where, key, text in sources:
         for host in DASHBOARD_HOST.findall(text):
             if host not in LOOPBACK_HOSTS:
-                problems.append(Problem(where, key, f"the Ray dashboard listens on {host}: anyone who reaches "
-                                        f"the node can submit jobs", "use --dashboard-host=127.0.0.1; dstack "
-                                        "forwards the port through its SSH tunnel"))
+                problems.append(
+                    Problem(
+                        where,
+                        key,
+                        f"the Ray dashboard listens on {host}: anyone who reaches the node can submit jobs",
+                        "use --dashboard-host=127.0.0.1; dstack forwards the port through its SSH tunnel",
+                    )
+                )
         problems += _unpinned_ray(where, key, text)
     return problems
 
@@ -337,17 +447,29 @@ def _unpinned_ray(rel: str, key: str, command: str) -> list[Problem]:
     for i, word in enumerate(words):
         if word != "install" or i == 0 or words[i - 1] not in ("pip", "pip3"):
             continue
-        for requirement in words[i + 1:]:
+        for requirement in words[i + 1 :]:
             if requirement in ("&&", ";", "|", "||") or requirement.endswith(";"):
                 break
             match = re.match(r"^([A-Za-z0-9._-]+)(\[[^\]]*\])?(.*)$", requirement)
             if not match or match.group(1).lower() != "ray":
                 continue
             if match.group(3) != f"=={RAY_VERSION}":
-                problems.append(Problem(rel, key, f"installs {requirement!r}, not cloudrl's Ray {RAY_VERSION}",
-                                        f"pin it: 'ray[default]=={RAY_VERSION}'"))
+                problems.append(
+                    Problem(
+                        rel,
+                        key,
+                        f"installs {requirement!r}, not cloudrl's Ray {RAY_VERSION}",
+                        f"pin it: 'ray[default]=={RAY_VERSION}'",
+                    )
+                )
             elif words[i - 1] == "pip3" and (i < 2 or words[i - 2] != "-m"):
-                problems.append(Problem(rel, key, "installs Ray with `pip3`, which may belong to another Python "
-                                        "than the one that runs `ray start`",
-                                        "use `python3 -m pip install` with the interpreter that starts Ray"))
+                problems.append(
+                    Problem(
+                        rel,
+                        key,
+                        "installs Ray with `pip3`, which may belong to another Python "
+                        "than the one that runs `ray start`",
+                        "use `python3 -m pip install` with the interpreter that starts Ray",
+                    )
+                )
     return problems

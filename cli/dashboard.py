@@ -17,9 +17,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .errors import CloudrlError
 from .local_cluster import port_free
@@ -60,8 +60,10 @@ def default_run_name() -> str:
                 name = None
             if name:
                 return str(name)
-    raise CloudrlError(f"no {TASK_FILE} here to take the run name from: name the run, "
-                       f"`cloudrl dashboard RUN` (`dstack ps` lists your runs)")
+    raise CloudrlError(
+        f"no {TASK_FILE} here to take the run name from: name the run, "
+        f"`cloudrl dashboard RUN` (`dstack ps` lists your runs)"
+    )
 
 
 def pick_local_port(wanted: int | None) -> int:
@@ -87,42 +89,54 @@ def forward_dstack(run_name: str | None, port: int | None, remote_port: int = DA
         import dstack.api as dstack_api
 
         from .dstack_compat import NAMES, resolve
+
         PortMapping = resolve(*NAMES["PortMapping"])
     except ImportError:
-        raise CloudrlError("dstack is not installed here: pip install 'cloudrl[dstack]', "
-                           "or use `cloudrl dashboard --ssh HOST`") from None
+        raise CloudrlError(
+            "dstack is not installed here: pip install 'cloudrl[dstack]', or use `cloudrl dashboard --ssh HOST`"
+        ) from None
     name = run_name or default_run_name()
     try:
         client = dstack_api.Client.from_config()
         run = client.runs.get(name)
     except Exception as exc:
-        raise _dstack_error(exc, "reach the dstack server (is `dstack server` running and "
-                                 "`dstack project` configured?)") from None
+        raise _dstack_error(
+            exc, "reach the dstack server (is `dstack server` running and `dstack project` configured?)"
+        ) from None
     if run is None:
-        raise CloudrlError(f"no dstack run named {name!r} in project {client.project!r}: start it with "
-                           f"`dstack apply -f {TASK_FILE}`, or name one that `dstack ps` lists")
+        raise CloudrlError(
+            f"no dstack run named {name!r} in project {client.project!r}: start it with "
+            f"`dstack apply -f {TASK_FILE}`, or name one that `dstack ps` lists"
+        )
     if run.status != dstack_api.RunStatus.RUNNING:
         state = getattr(run.status, "value", run.status)
-        hint = ("wait until `dstack ps` shows it running, then run this again"
-                if state in ("pending", "submitted", "provisioning")
-                else f"start it again with `dstack apply -f {TASK_FILE}`")
+        hint = (
+            "wait until `dstack ps` shows it running, then run this again"
+            if state in ("pending", "submitted", "provisioning")
+            else f"start it again with `dstack apply -f {TASK_FILE}`"
+        )
         raise CloudrlError(f"dstack run {name!r} is {state}, not running: {hint}")
     local = pick_local_port(port)
     try:
-        attached = run.attach(bind_address="127.0.0.1",
-                              ports_overrides=[PortMapping(local_port=local, container_port=remote_port)])
+        attached = run.attach(
+            bind_address="127.0.0.1", ports_overrides=[PortMapping(local_port=local, container_port=remote_port)]
+        )
     except Exception as exc:
         if "not exposed" in str(exc):
-            raise CloudrlError(f"dstack run {name!r} does not expose port {remote_port}: list it under `ports:` "
-                               f"in its task file ({TASK_FILE} does) and apply it again") from None
+            raise CloudrlError(
+                f"dstack run {name!r} does not expose port {remote_port}: list it under `ports:` "
+                f"in its task file ({TASK_FILE} does) and apply it again"
+            ) from None
         raise _dstack_error(exc, f"attach to run {name!r}") from None
     if not attached:
         raise CloudrlError(f"dstack run {name!r} ended before it could be attached: `dstack logs {name}` says why")
     forwarded = (run.ports or {}).get(remote_port)
     if forwarded is None:  # a tunnel held by another process that does not carry the dashboard
         run.detach()
-        raise CloudrlError(f"the tunnel dstack holds for {name!r} does not forward port {remote_port}: "
-                           f"stop that `dstack attach`/`dstack apply` and run this again")
+        raise CloudrlError(
+            f"the tunnel dstack holds for {name!r} does not forward port {remote_port}: "
+            f"stop that `dstack attach`/`dstack apply` and run this again"
+        )
     return Forward(f"http://127.0.0.1:{forwarded}", owned=forwarded == local, close=run.detach)
 
 
@@ -137,16 +151,28 @@ def _dstack_error(exc: Exception, what: str) -> Exception:
 # ----------------------------------------------------------------------------------------------
 
 
-def forward_ssh(host: str, port: int | None, remote_port: int = DASHBOARD_PORT,
-                ssh_options: list[str] | None = None) -> Forward:
+def forward_ssh(
+    host: str, port: int | None, remote_port: int = DASHBOARD_PORT, ssh_options: list[str] | None = None
+) -> Forward:
     ssh = shutil.which("ssh")
     if ssh is None:
         raise CloudrlError("the `ssh` command is not installed here: install OpenSSH's client")
     interactive = sys.stdin.isatty()
     local = pick_local_port(port)
-    args = [ssh, "-N", "-L", f"127.0.0.1:{local}:127.0.0.1:{remote_port}",
-            "-o", "ExitOnForwardFailure=yes", "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=3",
-            "-o", "ConnectTimeout=10"]
+    args = [
+        ssh,
+        "-N",
+        "-L",
+        f"127.0.0.1:{local}:127.0.0.1:{remote_port}",
+        "-o",
+        "ExitOnForwardFailure=yes",
+        "-o",
+        "ServerAliveInterval=15",
+        "-o",
+        "ServerAliveCountMax=3",
+        "-o",
+        "ConnectTimeout=10",
+    ]
     if not interactive:
         args += ["-o", "BatchMode=yes"]  # no terminal: fail instead of waiting on a password prompt
     for option in ssh_options or []:
@@ -154,8 +180,13 @@ def forward_ssh(host: str, port: int | None, remote_port: int = DASHBOARD_PORT,
     args.append(host)
     errors = tempfile.TemporaryFile()
     # With a terminal, ssh shares it (and our process group) to ask for a password if it must.
-    proc = subprocess.Popen(args, stdin=None if interactive else subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=errors, start_new_session=not interactive)
+    proc = subprocess.Popen(
+        args,
+        stdin=None if interactive else subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=errors,
+        start_new_session=not interactive,
+    )
 
     def stderr_tail() -> str:
         errors.seek(0)
@@ -191,9 +222,11 @@ def forward_ssh(host: str, port: int | None, remote_port: int = DASHBOARD_PORT,
             last = str(exc).split(" (", 1)[-1].split(")", 1)[0]
         if time.monotonic() > deadline:
             close()
-            raise CloudrlError(f"ssh to {host} is connected, but nothing answers on its 127.0.0.1:{remote_port} "
-                               f"({last}): is the Ray head running there with its dashboard on port "
-                               f"{remote_port}? (--remote-port sets another)")
+            raise CloudrlError(
+                f"ssh to {host} is connected, but nothing answers on its 127.0.0.1:{remote_port} "
+                f"({last}): is the Ray head running there with its dashboard on port "
+                f"{remote_port}? (--remote-port sets another)"
+            )
         time.sleep(0.3)
 
 
@@ -213,8 +246,9 @@ def describe(forward: Forward, what: str) -> str:
     if forward.owned:
         lines.append("forwarding until Ctrl+C")
     else:
-        lines.append("this tunnel belongs to the `dstack apply` or `dstack attach` that opened it; "
-                     "it stays up while that runs")
+        lines.append(
+            "this tunnel belongs to the `dstack apply` or `dstack attach` that opened it; it stays up while that runs"
+        )
     return "\n".join(lines)
 
 
@@ -228,8 +262,9 @@ def hold(forward: Forward) -> None:
     finally:
         forward.close()
     if not interrupted:
-        raise CloudrlError(f"the forward to {forward.url} stopped by itself (the connection dropped): run "
-                           f"`cloudrl dashboard` again")
+        raise CloudrlError(
+            f"the forward to {forward.url} stopped by itself (the connection dropped): run `cloudrl dashboard` again"
+        )
 
 
 def _wait_for_interrupt(forward: Forward) -> None:
@@ -237,8 +272,9 @@ def _wait_for_interrupt(forward: Forward) -> None:
         time.sleep(0.5)
 
 
-def run_dashboard(run_name: str | None, ssh_host: str | None, port: int | None, remote_port: int,
-                  ssh_options: list[str], echo: Echo) -> None:
+def run_dashboard(
+    run_name: str | None, ssh_host: str | None, port: int | None, remote_port: int, ssh_options: list[str], echo: Echo
+) -> None:
     check_port("--port", port, zero_means_any=True)
     check_port("--remote-port", remote_port)
     if ssh_host:

@@ -12,9 +12,9 @@ Sources are read with the trainer's own `hub_data`, so `--source` takes what an 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 from .errors import CloudrlError
 
@@ -96,30 +96,39 @@ def gsm8k_final_answer(solution: str) -> str | None:
 
 
 def _gsm8k_rows(source: str | None, split: str) -> list[dict]:
-    from cloudrl.trainer.hub_data import load_rows, parse_ref
+    from cloudrl.trainer.inputs.hub_data import load_rows, parse_ref
 
     label = f"--source {source}" if source else f"hf:{GSM8K_HUB}"
     ref = parse_ref(source or GSM8K_HUB, label)
     if ref.split:
         raise CloudrlError(f"{label}: drop @{ref.split}: cloudrl data writes every split ({split} among them)")
-    raw = load_rows(replace(ref, split=split), label,
-                    split_fix="point --source at GSM8K (openai/gsm8k, config main), which has train and test")
+    raw = load_rows(
+        replace(ref, split=split),
+        label,
+        split_fix="point --source at GSM8K (openai/gsm8k, config main), which has train and test",
+    )
     if not {"question", "answer"} <= set(raw[0]):
-        raise CloudrlError(f"{label}: split {split!r} has columns {', '.join(raw[0])}, not GSM8K's question "
-                           f"and answer: point --source at GSM8K (openai/gsm8k, config main)")
+        raise CloudrlError(
+            f"{label}: split {split!r} has columns {', '.join(raw[0])}, not GSM8K's question "
+            f"and answer: point --source at GSM8K (openai/gsm8k, config main)"
+        )
     rows = []
     for index, row in enumerate(raw):
         final = gsm8k_final_answer(str(row["answer"]))
         if final is None:
-            raise CloudrlError(f"{label}: split {split!r} row {index}: the answer has no `#### <number>` "
-                               f"line: point --source at GSM8K (openai/gsm8k, config main)")
-        rows.append({
-            "data_source": "openai/gsm8k",
-            "prompt": [{"role": "user", "content": GSM8K_TEMPLATE.replace("{prompt}", row["question"])}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": final},
-            "extra_info": {"split": split, "index": index, "question": row["question"], "answer": row["answer"]},
-        })
+            raise CloudrlError(
+                f"{label}: split {split!r} row {index}: the answer has no `#### <number>` "
+                f"line: point --source at GSM8K (openai/gsm8k, config main)"
+            )
+        rows.append(
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "user", "content": GSM8K_TEMPLATE.replace("{prompt}", row["question"])}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": final},
+                "extra_info": {"split": split, "index": index, "question": row["question"], "answer": row["answer"]},
+            }
+        )
     return rows
 
 
@@ -127,17 +136,25 @@ def _arithmetic_rows(source: str | None, split: str) -> list[dict]:
     if source:
         raise CloudrlError("the arithmetic task is generated, not read: drop --source")
     from cloudrl.trainer.config import DataConfig
-    from cloudrl.trainer.demo import arithmetic_problems
+    from cloudrl.trainer.inputs.demo import arithmetic_problems
 
     # train: the trainer's default draws (seed 0); test: its validation set, every pair once.
     pairs = arithmetic_problems(DataConfig(), "val" if split == "test" else "train", seed=0)
-    return [{"data_source": "arithmetic", "prompt": f"{a}+{b}=",
-             "reward_model": {"style": "rule", "ground_truth": str(a + b)}} for a, b in pairs]
+    return [
+        {
+            "data_source": "arithmetic",
+            "prompt": f"{a}+{b}=",
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        }
+        for a, b in pairs
+    ]
 
 
 RECIPES: dict[str, Recipe] = {
-    "gsm8k": Recipe("GSM8K grade-school math (openai/gsm8k, config main): 7473 train and 1319 test problems",
-                    "gsm8k", _gsm8k_rows),
-    "arithmetic": Recipe("The built-in `a+b=` task (builtin:arithmetic), to see the layout",
-                         "arithmetic", _arithmetic_rows),
+    "gsm8k": Recipe(
+        "GSM8K grade-school math (openai/gsm8k, config main): 7473 train and 1319 test problems", "gsm8k", _gsm8k_rows
+    ),
+    "arithmetic": Recipe(
+        "The built-in `a+b=` task (builtin:arithmetic), to see the layout", "arithmetic", _arithmetic_rows
+    ),
 }

@@ -44,8 +44,10 @@ def dstack_api() -> SimpleNamespace:
     try:
         importlib.import_module("dstack")
     except ImportError:
-        raise CloudrlError("dstack is not installed: pip install 'cloudrl[dstack]' (`cloudrl validate` runs "
-                           "dstack's own configuration parser)") from None
+        raise CloudrlError(
+            "dstack is not installed: pip install 'cloudrl[dstack]' (`cloudrl validate` runs "
+            "dstack's own configuration parser)"
+        ) from None
     found = {}
     for attr, (module, name) in NAMES.items():
         try:
@@ -66,5 +68,7 @@ def resolve(module: str, name: str):
 
 
 def _moved(module: str, name: str) -> str:
-    return (f"dstack._internal.{module}.{name} is missing from the installed dstack: cloudrl validate is written "
-            f"for dstack {DSTACK_VERSION}; pip install 'dstack=={DSTACK_VERSION}'")
+    return (
+        f"dstack._internal.{module}.{name} is missing from the installed dstack: cloudrl validate is written "
+        f"for dstack {DSTACK_VERSION}; pip install 'dstack=={DSTACK_VERSION}'"
+    )

@@ -11,7 +11,8 @@ import asyncio
 import re
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from cloudrl.trainer.errors import first_line
 
@@ -70,7 +71,7 @@ def latest_metrics(logs: str) -> tuple[str | None, list[str]]:
     summary: list[str] = []
     starts = [i for i, ln in enumerate(lines) if ln.strip().startswith("summary:")]
     if starts:
-        for ln in lines[starts[-1]:]:
+        for ln in lines[starts[-1] :]:
             if not ln.strip():
                 break
             summary.append(ln.rstrip())
@@ -158,8 +159,10 @@ def stop(client: ClusterClient, job_id: str) -> str:
         if info.status.is_terminal():
             return f"job {job_id} {'stopped' if info.status == 'STOPPED' else 'ended: ' + str(info.status)}"
         time.sleep(0.5)
-    raise CloudrlError(f"asked Ray to stop {job_id}, but it still reports {info.status} after {STOP_WAIT_S:g} s: "
-                       f"check `cloudrl status {job_id}{client.address.flag}`")
+    raise CloudrlError(
+        f"asked Ray to stop {job_id}, but it still reports {info.status} after {STOP_WAIT_S:g} s: "
+        f"check `cloudrl status {job_id}{client.address.flag}`"
+    )
 
 
 def follow(client: ClusterClient, job_id: str, out: Callable[[str], Any] | None = None) -> Any:
@@ -181,8 +184,10 @@ def follow(client: ClusterClient, job_id: str, out: Callable[[str], Any] | None 
     if info.status == "SUCCEEDED":
         return info
     if not info.status.is_terminal():
-        raise CloudrlError(f"the log stream of {job_id} ended while the job is {info.status}: "
-                           f"follow it again with `cloudrl logs {job_id} --follow{client.address.flag}`")
+        raise CloudrlError(
+            f"the log stream of {job_id} ended while the job is {info.status}: "
+            f"follow it again with `cloudrl logs {job_id} --follow{client.address.flag}`"
+        )
     reason = failure_reason(info, job_logs(client, job_id))
     raise CloudrlError(f"job {job_id} {info.status}: {reason} (full logs: cloudrl logs {job_id}{client.address.flag})")
 
@@ -214,9 +219,11 @@ async def _stream(client: ClusterClient, job_id: str, write: Callable[[str], Any
                 exc = tail.exception()
                 if exc is not None:
                     await asyncio.to_thread(_settle, client, job_id)  # a cluster going away says so
-                    raise CloudrlError(f"the log stream of {job_id} from {client.address.url} broke "
-                                       f"({_short(exc)}); the job may still run: "
-                                       f"`cloudrl status {job_id}{client.address.flag}`")
+                    raise CloudrlError(
+                        f"the log stream of {job_id} from {client.address.url} broke "
+                        f"({_short(exc)}); the job may still run: "
+                        f"`cloudrl status {job_id}{client.address.flag}`"
+                    )
                 return
             # A watchdog beside the stream: a dead tunnel fails this bounded call instead of hanging.
             info = await asyncio.to_thread(job_info, client, job_id)

@@ -22,15 +22,16 @@ import shutil
 import signal
 import socket
 import sys
-import threading
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
-from .errors import CloudrlError
 from cloudrl.trainer.paths import cache_dir
 
+from .errors import CloudrlError
 from .local_state import load_state, save_state, state_path
 from .node_processes import alive, spawn, stop_node
 from .pins import DASHBOARD_PORT
@@ -41,8 +42,14 @@ HEAD_PORTS = ("port", "ray-client-server-port")
 port is 0: the raylet and agents bind a free port themselves and report it to the GCS, so nodes on one
 machine never race each other (or anything else) for a port picked a moment earlier. The agent's HTTP
 port is the one with a fixed default (52365), which several nodes would share, so it is set to 0 too."""
-SELF_BOUND_PORTS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-                    "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
+SELF_BOUND_PORTS = (
+    "node-manager-port",
+    "object-manager-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "runtime-env-agent-port",
+    "metrics-export-port",
+)
 NODES_PER_CORE = 4
 """Ray nodes per CPU core `up` allows: each node starts several Python processes (seconds of CPU each)
 and, idle, still polls and reports; beyond this they miss the join timeout instead of failing at once."""
@@ -63,7 +70,7 @@ Echo = Callable[[str], None]
 def local_preset_cpus() -> int:
     """CPUs the `local` preset's roles reserve, so a default local cluster can run it."""
     from cloudrl.trainer.config import load_config
-    from cloudrl.trainer.placement import plan
+    from cloudrl.trainer.roles.placement import plan
 
     return math.ceil(sum(req.total("CPU") for req in plan(load_config("local"))))
 
@@ -97,18 +104,30 @@ def check_capacity(nodes: int, object_store_mb: int) -> None:
     limit = min(by_cores, by_memory)
     if nodes <= limit:
         return
-    memory = f"{free_mb / 1024:.1f} GB of free memory at ~{per_node / 1024:.1f} GB per node (--object-store-mb " \
-             f"{object_store_mb} + {NODE_MB} MB of Ray processes)"
+    memory = (
+        f"{free_mb / 1024:.1f} GB of free memory at ~{per_node / 1024:.1f} GB per node (--object-store-mb "
+        f"{object_store_mb} + {NODE_MB} MB of Ray processes)"
+    )
     if limit < 1:
-        raise CloudrlError(f"this machine cannot run a Ray node: {memory}, plus {HEAD_MB} MB for the head: "
-                           f"free memory or lower --object-store-mb")
-    raise CloudrlError(f"--nodes {nodes} is more than this machine can run: at most {limit} ({cores} CPU cores x "
-                       f"{NODES_PER_CORE} allow {by_cores}; {memory} allows {by_memory}): use --nodes {limit} or fewer")
+        raise CloudrlError(
+            f"this machine cannot run a Ray node: {memory}, plus {HEAD_MB} MB for the head: "
+            f"free memory or lower --object-store-mb"
+        )
+    raise CloudrlError(
+        f"--nodes {nodes} is more than this machine can run: at most {limit} ({cores} CPU cores x "
+        f"{NODES_PER_CORE} allow {by_cores}; {memory} allows {by_memory}): use --nodes {limit} or fewer"
+    )
 
 
-def up(nodes: int = 1, cpus_per_node: int | None = None, gpus_per_node: int | None = None,
-       object_store_mb: int = 512, dashboard_port: int | None = None, timeout_s: float = 120.0,
-       echo: Echo = print) -> dict[str, Any]:
+def up(
+    nodes: int = 1,
+    cpus_per_node: int | None = None,
+    gpus_per_node: int | None = None,
+    object_store_mb: int = 512,
+    dashboard_port: int | None = None,
+    timeout_s: float = 120.0,
+    echo: Echo = print,
+) -> dict[str, Any]:
     """Start the cluster and wait until all its nodes are alive; tear everything down on failure.
     Ctrl+C at any point stops exactly what this call started, then exits 130 with one line."""
     if nodes < 1:
@@ -117,8 +136,10 @@ def up(nodes: int = 1, cpus_per_node: int | None = None, gpus_per_node: int | No
     try:
         return _start(nodes, cpus_per_node, gpus_per_node, object_store_mb, dashboard_port, timeout_s, echo)
     except KeyboardInterrupt:
-        print("interrupted: stopped every Ray node `cloudrl local up` had started; nothing is left running",
-              file=sys.stderr)
+        print(
+            "interrupted: stopped every Ray node `cloudrl local up` had started; nothing is left running",
+            file=sys.stderr,
+        )
         raise SystemExit(130) from None
 
 
@@ -139,23 +160,37 @@ def _sigint_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-def _start(nodes: int, cpus_per_node: int | None, gpus_per_node: int | None, object_store_mb: int,
-           dashboard_port: int | None, timeout_s: float, echo: Echo) -> dict[str, Any]:
+def _start(
+    nodes: int,
+    cpus_per_node: int | None,
+    gpus_per_node: int | None,
+    object_store_mb: int,
+    dashboard_port: int | None,
+    timeout_s: float,
+    echo: Echo,
+) -> dict[str, Any]:
     if dashboard_port is None:
         dashboard_port = default_dashboard_port()
     existing = load_state()
     if existing:
         if existing.get("nodes") and alive(existing["nodes"][0]):
-            raise CloudrlError(f"a local cluster is already running ({existing.get('dashboard_url')}): "
-                               f"use it with --local, or stop it with `cloudrl local down`")
+            raise CloudrlError(
+                f"a local cluster is already running ({existing.get('dashboard_url')}): "
+                f"use it with --local, or stop it with `cloudrl local down`"
+            )
         echo("cleaning up a local cluster that is no longer running")
         _teardown(existing)
     ray_exe = _ray_executable()
     cpus = cpus_per_node or default_cpus_per_node(nodes)
     if gpus_per_node is None and nodes > 1:
         gpus_per_node = 0  # Ray would give every node all of the machine's GPUs
-    state: dict[str, Any] = {"root": None, "nodes": [], "dashboard_url": None, "cpus_per_node": cpus,
-                             "num_nodes": nodes}
+    state: dict[str, Any] = {
+        "root": None,
+        "nodes": [],
+        "dashboard_url": None,
+        "cpus_per_node": cpus,
+        "num_nodes": nodes,
+    }
     try:
         with _sigint_deferred():
             root = tempfile.mkdtemp(prefix="cloudrl-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
@@ -167,14 +202,28 @@ def _start(nodes: int, cpus_per_node: int | None, gpus_per_node: int | None, obj
         gcs = f"127.0.0.1:{head_ports['port']}"
         state.update(dashboard_url=url, gcs_address=gcs)
         for i in range(nodes):
-            args = [ray_exe, "start", "--block", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
-                    f"--num-cpus={cpus}", f"--object-store-memory={object_store_mb * 1024 * 1024}",
-                    f"--temp-dir={root}/n{i}", "--min-worker-port=0", "--max-worker-port=0"]
+            args = [
+                ray_exe,
+                "start",
+                "--block",
+                "--disable-usage-stats",
+                "--node-ip-address",
+                "127.0.0.1",
+                f"--num-cpus={cpus}",
+                f"--object-store-memory={object_store_mb * 1024 * 1024}",
+                f"--temp-dir={root}/n{i}",
+                "--min-worker-port=0",
+                "--max-worker-port=0",
+            ]
             if gpus_per_node is not None:
                 args.append(f"--num-gpus={gpus_per_node}")
             if i == 0:
-                args += ["--head", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                         f"--dashboard-port={dashboard_port}"] + [f"--{k}={v}" for k, v in head_ports.items()]
+                args += [
+                    "--head",
+                    "--include-dashboard=true",
+                    "--dashboard-host=127.0.0.1",
+                    f"--dashboard-port={dashboard_port}",
+                ] + [f"--{k}={v}" for k, v in head_ports.items()]
             else:
                 args.append(f"--address={gcs}")
             args += [f"--{k}=0" for k in SELF_BOUND_PORTS]
@@ -298,8 +347,10 @@ def _wait_for(ready: Callable[[], bool], state: dict[str, Any], timeout_s: float
             if not alive(node):
                 raise CloudrlError(f"Ray node {i} exited while waiting for {what}: {_log_tail(node['log'])}")
         if time.monotonic() > deadline:
-            raise CloudrlError(f"timed out after {timeout_s:g} s waiting for {what}: the machine may be "
-                               f"overloaded; raise --timeout or use fewer --nodes")
+            raise CloudrlError(
+                f"timed out after {timeout_s:g} s waiting for {what}: the machine may be "
+                f"overloaded; raise --timeout or use fewer --nodes"
+            )
         time.sleep(0.5)
 
 
@@ -337,5 +388,3 @@ def _teardown(state: dict[str, Any]) -> int:
         shutil.rmtree(state["root"], ignore_errors=True)
     state_path().unlink(missing_ok=True)
     return stopped
-
-

@@ -19,8 +19,6 @@ from .node_processes import alive
 STATE_NAME = "local-cluster.json"
 
 
-
-
 def state_path() -> Path:
     return cache_dir() / STATE_NAME
 
@@ -32,7 +30,9 @@ def load_state() -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
-        raise CloudrlError(f"{path} is not readable JSON: stop any Ray processes it named by hand, then delete it") from None
+        raise CloudrlError(
+            f"{path} is not readable JSON: stop any Ray processes it named by hand, then delete it"
+        ) from None
 
 
 def save_state(state: dict[str, Any]) -> None:

@@ -33,15 +33,18 @@ def alive_nodes(client: Any) -> list[dict[str, Any]]:
     try:
         rows = [r for r in data["data"]["result"]["result"] if r.get("state") == "ALIVE"]
     except (KeyError, TypeError):
-        raise CloudrlError(f"{client.address.url}/api/v0/nodes answered in an unknown shape: "
-                           f"is the cluster's Ray version the same as here?") from None
-    return sorted(rows, key=lambda r: (not r.get("is_head_node"), _ip_key(str(r.get("node_ip"))),
-                                       r.get("node_id", "")))
+        raise CloudrlError(
+            f"{client.address.url}/api/v0/nodes answered in an unknown shape: "
+            f"is the cluster's Ray version the same as here?"
+        ) from None
+    return sorted(rows, key=lambda r: (not r.get("is_head_node"), _ip_key(str(r.get("node_ip"))), r.get("node_id", "")))
 
 
 def describe_nodes(nodes: list[dict[str, Any]]) -> str:
-    return "; ".join(f"{i} = {n.get('node_ip')}{' (head)' if n.get('is_head_node') else ''} "
-                     f"id {str(n.get('node_id'))[:8]}" for i, n in enumerate(nodes))
+    return "; ".join(
+        f"{i} = {n.get('node_ip')}{' (head)' if n.get('is_head_node') else ''} id {str(n.get('node_id'))[:8]}"
+        for i, n in enumerate(nodes)
+    )
 
 
 def pick_node(nodes: list[dict[str, Any]], wanted: str, url: str) -> tuple[int, dict[str, Any]]:
@@ -57,8 +60,10 @@ def pick_node(nodes: list[dict[str, Any]], wanted: str, url: str) -> tuple[int, 
     if len(found) == 1:
         return found[0], nodes[found[0]]
     what = "names several nodes" if found else "is no alive node"
-    raise CloudrlError(f"--node {wanted} {what} of the cluster at {url}: pass an index, IP or node id "
-                       f"of one of: {describe_nodes(nodes) or 'no alive nodes'}")
+    raise CloudrlError(
+        f"--node {wanted} {what} of the cluster at {url}: pass an index, IP or node id "
+        f"of one of: {describe_nodes(nodes) or 'no alive nodes'}"
+    )
 
 
 def job_or_node(job: str | None, node: str | None, follow: bool) -> None:
@@ -66,11 +71,14 @@ def job_or_node(job: str | None, node: str | None, follow: bool) -> None:
     import typer
 
     if node is None and job is None:
-        raise typer.BadParameter("missing argument: pass a job id (`cloudrl list` shows them), or --node N for "
-                                 "one node's worker logs", param_hint="'JOB'")
+        raise typer.BadParameter(
+            "missing argument: pass a job id (`cloudrl list` shows them), or --node N for one node's worker logs",
+            param_hint="'JOB'",
+        )
     if node is not None and (job is not None or follow):
-        raise typer.BadParameter("--node shows one node's worker logs, not a job's: drop the job id and --follow",
-                                 param_hint="'--node'")
+        raise typer.BadParameter(
+            "--node shows one node's worker logs, not a job's: drop the job id and --follow", param_hint="'--node'"
+        )
 
 
 def node_logs_text(client: Any, node: str, lines: int = 50, glob: str = DEFAULT_GLOB) -> str:
@@ -83,8 +91,10 @@ def node_logs_text(client: Any, node: str, lines: int = 50, glob: str = DEFAULT_
     query = urllib.parse.urlencode({"node_id": node_id, "glob": glob})
     listing = client.get_json(f"/api/v0/logs?{query}", read_timeout=READ_TIMEOUT_S)
     if not listing.get("result", True):
-        raise CloudrlError(f"the dashboard at {client.address.url} could not list node {index}'s logs: "
-                           f"{listing.get('msg') or 'no details'}")
+        raise CloudrlError(
+            f"the dashboard at {client.address.url} could not list node {index}'s logs: "
+            f"{listing.get('msg') or 'no details'}"
+        )
     files = sorted({f for group in (listing.get("data", {}).get("result") or {}).values() for f in group})
     head = f"# node {index} ({ip}, id {node_id[:8]}): {len(files)} file(s) matching {glob!r}, last {lines} lines each"
     if not files:

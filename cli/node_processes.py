@@ -18,8 +18,9 @@ _STARTED: list[subprocess.Popen] = []
 def spawn(args: list[str], log: Path, env: dict[str, str]) -> dict[str, Any]:
     """Start one node's `ray start --block` in its own session; returns its record for the state file."""
     with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     import psutil
 
     try:
@@ -62,8 +63,11 @@ def stop_node(node: dict[str, Any], grace_s: float = 5.0) -> int:
     known = {p.pid for p in procs}
     for p in psutil.process_iter(["pid", "create_time"]):
         try:
-            if (p.pid not in known and p.info["create_time"] >= node["create_time"] - 0.5
-                    and os.getpgid(p.pid) == node["pid"]):
+            if (
+                p.pid not in known
+                and p.info["create_time"] >= node["create_time"] - 0.5
+                and os.getpgid(p.pid) == node["pid"]
+            ):
                 procs.append(p)
         except (psutil.Error, OSError):
             continue

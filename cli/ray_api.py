@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from cloudrl.trainer.errors import first_line
 
@@ -53,8 +54,7 @@ class Address:
         return f"{self.url}/#/jobs/{job_id}"
 
 
-def resolve_address(address: str | None, local: bool = False,
-                    start_local: Callable[[], Any] | None = None) -> Address:
+def resolve_address(address: str | None, local: bool = False, start_local: Callable[[], Any] | None = None) -> Address:
     """--address, else RAY_ADDRESS, else the port dstack forwards; `local` = the `cloudrl local` cluster
     (started by `start_local` when given and none runs)."""
     if local:
@@ -81,8 +81,10 @@ def dashboard_url(address: str, source: str) -> str:
     url = address.strip() if "://" in address else f"http://{address.strip()}"
 
     def bad(reason: str) -> CloudrlError:
-        return CloudrlError(f"{source}={address} is not a dashboard URL ({reason}): cloudrl talks to the Ray "
-                            f"dashboard, e.g. --address {DEFAULT_ADDRESS}")
+        return CloudrlError(
+            f"{source}={address} is not a dashboard URL ({reason}): cloudrl talks to the Ray "
+            f"dashboard, e.g. --address {DEFAULT_ADDRESS}"
+        )
 
     try:
         parts = urllib.parse.urlsplit(url)
@@ -104,20 +106,27 @@ def check_port(flag: str, port: int | None, zero_means_any: bool = False) -> Non
     """A TCP port given on the command line: 1..65535, or 0 where it means "any free port"."""
     low = 0 if zero_means_any else 1
     if port is not None and not low <= port <= 65535:
-        raise CloudrlError(f"{flag} {port} is not a TCP port: use {low}..65535"
-                           + (" (0 = any free port)" if zero_means_any else ""))
+        raise CloudrlError(
+            f"{flag} {port} is not a TCP port: use {low}..65535" + (" (0 = any free port)" if zero_means_any else "")
+        )
 
 
 def _where(address: Address) -> str:
-    return {"--address": "", "RAY_ADDRESS": " (from RAY_ADDRESS)", "default": " (the default address)",
-            "local": " (the local cluster)"}[address.source]
+    return {
+        "--address": "",
+        "RAY_ADDRESS": " (from RAY_ADDRESS)",
+        "default": " (the default address)",
+        "local": " (the local cluster)",
+    }[address.source]
 
 
 def unreachable_hint(address: Address) -> str:
     if address.source == "local":
         return "the local cluster is gone: restart it with `cloudrl local down && cloudrl local up`"
-    return ("forward the dashboard of a dstack run with `cloudrl dashboard` (or `dstack attach cloudrl-ray`), "
-            "start a cluster on this machine with `cloudrl local up` and pass --local, or pass --address")
+    return (
+        "forward the dashboard of a dstack run with `cloudrl dashboard` (or `dstack attach cloudrl-ray`), "
+        "start a cluster on this machine with `cloudrl local up` and pass --local, or pass --address"
+    )
 
 
 class ClusterClient:
@@ -196,15 +205,21 @@ class ClusterClient:
 
     def alive_nodes(self) -> list[dict[str, float]]:
         """Each alive node's total resources (CPU, GPU, custom), from the dashboard's state API."""
-        data = self.get_json("/api/v0/nodes?limit=10000&detail=true&filter_keys=state"
-                             "&filter_predicates=%3D&filter_values=ALIVE")
+        data = self.get_json(
+            "/api/v0/nodes?limit=10000&detail=true&filter_keys=state&filter_predicates=%3D&filter_values=ALIVE"
+        )
         try:
             rows = data["data"]["result"]["result"]
         except (KeyError, TypeError):
-            raise CloudrlError(f"{self.address.url}/api/v0/nodes answered in an unknown shape: "
-                               f"is the cluster's Ray version the same as here?") from None
-        return [{k: float(v) for k, v in row.get("resources_total", {}).items()}
-                for row in rows if row.get("state") == "ALIVE"]
+            raise CloudrlError(
+                f"{self.address.url}/api/v0/nodes answered in an unknown shape: "
+                f"is the cluster's Ray version the same as here?"
+            ) from None
+        return [
+            {k: float(v) for k, v in row.get("resources_total", {}).items()}
+            for row in rows
+            if row.get("state") == "ALIVE"
+        ]
 
     # -- Jobs API -----------------------------------------------------------------------------
     @property
@@ -213,9 +228,12 @@ class ClusterClient:
         if self._jobs is None:
             if not self._probed:  # settles reachability and the auth header first, with our messages
                 self.ray_version()
-            self._jobs = self.call(lambda: bounded_job_client(self.address.url, self._headers, CONNECT_TIMEOUT_S,
-                                                                 READ_TIMEOUT_S, SUBMIT_READ_TIMEOUT_S),
-                                   what="connect")
+            self._jobs = self.call(
+                lambda: bounded_job_client(
+                    self.address.url, self._headers, CONNECT_TIMEOUT_S, READ_TIMEOUT_S, SUBMIT_READ_TIMEOUT_S
+                ),
+                what="connect",
+            )
         return self._jobs
 
     def call(self, fn: Callable[[], T], what: str, job_id: str | None = None) -> T:
@@ -232,7 +250,9 @@ class ClusterClient:
                 raise NoSuchJob(
                     f"no job {job_id!r} on {self.address.url}: `cloudrl list{self.address.flag}` shows its jobs"
                 ) from None
-            raise CloudrlError(f"the Ray Jobs API at {self.address.url} refused to {what}: {first_line(text)}") from None
+            raise CloudrlError(
+                f"the Ray Jobs API at {self.address.url} refused to {what}: {first_line(text)}"
+            ) from None
 
 
 def local_auth_token() -> str | None:
@@ -248,11 +268,13 @@ def local_auth_token() -> str | None:
 
 def _connection_reason(exc: BaseException) -> str:
     text = str(exc)
-    for needle, reason in (("Connection refused", "connection refused"), ("timed out", "timed out"),
-                           ("Name or service not known", "unknown host"), ("Connection reset", "connection reset"),
-                           ("RemoteDisconnected", "the connection closed without a reply")):
+    for needle, reason in (
+        ("Connection refused", "connection refused"),
+        ("timed out", "timed out"),
+        ("Name or service not known", "unknown host"),
+        ("Connection reset", "connection reset"),
+        ("RemoteDisconnected", "the connection closed without a reply"),
+    ):
         if needle in text:
             return reason
     return first_line(text)[:200]
-
-

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 PRIVATE_HOOK = ("ray.dashboard.modules.dashboard_sdk", "SubmissionClient", "_do_request")
 """Module, class and method overridden below."""
@@ -22,8 +23,11 @@ def bounded_job_client(url: str, headers: dict[str, str], connect_s: float, read
     from ray.job_submission import JobSubmissionClient
 
     if not os.environ.get("CLOUDRL_DEBUG"):  # Ray's client logs every upload and closed stream at INFO
-        for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
-                     "ray._private.runtime_env.packaging"):
+        for name in (
+            "ray.dashboard.modules.dashboard_sdk",
+            "ray.dashboard.modules.job.sdk",
+            "ray._private.runtime_env.packaging",
+        ):
             logging.getLogger(name).setLevel(logging.WARNING)
 
     class BoundedJobClient(JobSubmissionClient):

@@ -68,8 +68,9 @@ class Upload:
 # ----------------------------------------------------------------------------------------------
 
 
-def plan_upload(cfg: Any, cwd: Path, workdir: Path | None = None, requirements: Path | None = None,
-                pip: list[str] | None = None) -> Upload:
+def plan_upload(
+    cfg: Any, cwd: Path, workdir: Path | None = None, requirements: Path | None = None, pip: list[str] | None = None
+) -> Upload:
     """Every local file `cfg` names (and `workdir`'s tree), where each lands, and the config rewrites."""
     upload = Upload()
     if workdir is not None:
@@ -130,8 +131,10 @@ def _local(key: str, value: str, cwd: Path) -> Path | None:
         return full
     if path.is_absolute():
         return None
-    raise CloudrlError(f"{key}: {value} not found (relative to {cwd}): fix the path; a file that exists only on "
-                       f"the cluster must be given as an absolute path (e.g. /checkpoints/...)")
+    raise CloudrlError(
+        f"{key}: {value} not found (relative to {cwd}): fix the path; a file that exists only on "
+        f"the cluster must be given as an absolute path (e.g. /checkpoints/...)"
+    )
 
 
 def _reward(cfg: Any, cwd: Path, external: _External) -> None:
@@ -171,7 +174,7 @@ def _data_entry(key: str, entry: str, cwd: Path, external: _External) -> str:
 def _dataset_entry(key: str, entry: str, cwd: Path, external: _External) -> str:
     """An `hf:` entry: a local directory (save_to_disk, or data files) ships; a hub id stays."""
     from cloudrl.trainer.errors import DataError
-    from cloudrl.trainer.hub_data import parse_ref
+    from cloudrl.trainer.inputs.hub_data import parse_ref
 
     try:
         ref = parse_ref(entry[3:], key)
@@ -211,8 +214,10 @@ def read_requirements(path: Path | None) -> list[str]:
     lines = [line.split("#", 1)[0].strip() for line in path.read_text(errors="replace").splitlines()]
     for line in lines:
         if line.startswith(("-r", "-c", "--requirement", "--constraint")):
-            raise CloudrlError(f"--requirements {path}: nested requirement files ({line!r}) are not shipped: "
-                               f"list the packages in this file")
+            raise CloudrlError(
+                f"--requirements {path}: nested requirement files ({line!r}) are not shipped: "
+                f"list the packages in this file"
+            )
     return [line for line in lines if line]
 
 
@@ -226,8 +231,11 @@ def ignore_patterns(root: Path) -> list[str]:
     for name in IGNORE_FILES:
         file = root / name
         if file.is_file():
-            patterns += [line.strip() for line in file.read_text(errors="replace").splitlines()
-                         if line.strip() and not line.lstrip().startswith("#")]
+            patterns += [
+                line.strip()
+                for line in file.read_text(errors="replace").splitlines()
+                if line.strip() and not line.lstrip().startswith("#")
+            ]
     return patterns
 
 
@@ -286,7 +294,8 @@ def write_zip(upload: Upload, target: Path) -> int:
         raise CloudrlError(
             f"the job's files are {_human(size)} zipped, over Ray's {_human(UPLOAD_LIMIT_BYTES)} upload limit "
             f"(largest: {names}): put large files on a volume or bucket the cluster mounts and give their "
-            f"absolute path, or list them in .cloudrlignore; nothing was submitted")
+            f"absolute path, or list them in .cloudrlignore; nothing was submitted"
+        )
     return size
 
 

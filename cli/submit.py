@@ -21,9 +21,10 @@ import shlex
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from cloudrl.trainer.errors import first_line
 
@@ -66,14 +67,17 @@ class JobRequest:
     @property
     def metadata(self) -> dict[str, str]:
         # Ray keeps job metadata as strings; `cloudrl list` and `status` read these back.
-        return {"cloudrl_preset": self.preset, "cloudrl_overrides": shlex.join(self.overrides),
-                "cloudrl_name": self.submission_id}
+        return {
+            "cloudrl_preset": self.preset,
+            "cloudrl_overrides": shlex.join(self.overrides),
+            "cloudrl_name": self.submission_id,
+        }
 
-    def runtime_env(self, package_dir: str | Path, env_values: dict[str, str],
-                    working_dir: str | Path | None = None) -> dict[str, Any]:
+    def runtime_env(
+        self, package_dir: str | Path, env_values: dict[str, str], working_dir: str | Path | None = None
+    ) -> dict[str, Any]:
         # Unbuffered, so the step lines reach `cloudrl logs --follow` as they are printed.
-        env: dict[str, Any] = {"py_modules": [str(package_dir)],
-                               "env_vars": {"PYTHONUNBUFFERED": "1", **env_values}}
+        env: dict[str, Any] = {"py_modules": [str(package_dir)], "env_vars": {"PYTHONUNBUFFERED": "1", **env_values}}
         if working_dir is not None:
             env["working_dir"] = str(working_dir)
         if self.upload.pip:
@@ -92,8 +96,9 @@ def load_config(preset: str, overrides: list[str]) -> Any:
         raise CloudrlError(str(exc)) from None
 
 
-def build_request(preset: str, overrides: list[str], name: str | None, env_names: list[str],
-                  upload: Upload | None = None) -> JobRequest:
+def build_request(
+    preset: str, overrides: list[str], name: str | None, env_names: list[str], upload: Upload | None = None
+) -> JobRequest:
     from cloudrl.trainer.config import PRESET_DIR, preset_path
 
     path = preset_path(preset)  # load_config has already accepted it
@@ -106,8 +111,10 @@ def build_request(preset: str, overrides: list[str], name: str | None, env_names
     for env in env_names:
         if not ENV_RE.match(env):
             var = env.split("=")[0] or "NAME"
-            raise CloudrlError(f"--env {env!r}: give the variable's NAME; its value is read from this shell and "
-                               f"never put on a command line (export {var}=... and pass --env {var})")
+            raise CloudrlError(
+                f"--env {env!r}: give the variable's NAME; its value is read from this shell and "
+                f"never put on a command line (export {var}=... and pass --env {var})"
+            )
     return JobRequest(name, preset, list(overrides), list(dict.fromkeys(env_names)), preset_file, upload or Upload())
 
 
@@ -138,7 +145,7 @@ def stage_package(dest: Path, preset_file: Path | None = None) -> Path:
 def preflight(client: ClusterClient, cfg: Any) -> str:
     """The cluster answers, runs our Ray version, and can place every role of cfg; returns a summary."""
     from cloudrl.trainer.config import ConfigError
-    from cloudrl.trainer.placement import check_fits, describe_cluster, plan
+    from cloudrl.trainer.roles.placement import check_fits, describe_cluster, plan
 
     version = client.check_version()
     nodes = client.alive_nodes()
@@ -158,17 +165,24 @@ def dry_run_text(cfg: Any, req: JobRequest, address: Address, zipped_bytes: int 
         "address": address.url,
         "submission_id": req.submission_id,
         "entrypoint": req.entrypoint,
-        "runtime_env": req.runtime_env(placeholder, env_vars, "<the files below, zipped>" if req.upload.files else None),
+        "runtime_env": req.runtime_env(
+            placeholder, env_vars, "<the files below, zipped>" if req.upload.files else None
+        ),
         "metadata": req.metadata,
     }
-    files = (f"# files shipped as the job's working directory\n{req.upload.listing(zipped_bytes)}\n"
-             if req.upload.files else "# files shipped: none besides the trainer (the config names no local file)\n")
+    files = (
+        f"# files shipped as the job's working directory\n{req.upload.listing(zipped_bytes)}\n"
+        if req.upload.files
+        else "# files shipped: none besides the trainer (the config names no local file)\n"
+    )
     if req.upload.cluster_paths:
         files += "# read on the cluster, not shipped (absolute paths not on this machine):\n"
         files += "".join(f"  {entry}\n" for entry in req.upload.cluster_paths)
-    return (f"# resolved config ({req.preset}{' + ' + ' '.join(req.overrides) if req.overrides else ''})\n"
-            f"{cfg.to_yaml()}\n{files}# job request (--dry-run: not submitted, the cluster was not contacted)\n"
-            f"{yaml.safe_dump(request, sort_keys=False)}")
+    return (
+        f"# resolved config ({req.preset}{' + ' + ' '.join(req.overrides) if req.overrides else ''})\n"
+        f"{cfg.to_yaml()}\n{files}# job request (--dry-run: not submitted, the cluster was not contacted)\n"
+        f"{yaml.safe_dump(request, sort_keys=False)}"
+    )
 
 
 def pack_upload(req: JobRequest, tmp: Path) -> tuple[Path | None, int | None]:
@@ -189,13 +203,17 @@ def submit(client: ClusterClient, req: JobRequest, env_values: dict[str, str], f
     with tempfile.TemporaryDirectory(prefix="cloudrl-submit-") as tmp:
         package = stage_package(Path(tmp), req.preset_file)
         try:
-            return jobs.submit_job(entrypoint=req.entrypoint, submission_id=req.submission_id,
-                                     runtime_env=req.runtime_env(package, env_values, files_zip),
-                                     metadata=req.metadata)
+            return jobs.submit_job(
+                entrypoint=req.entrypoint,
+                submission_id=req.submission_id,
+                runtime_env=req.runtime_env(package, env_values, files_zip),
+                metadata=req.metadata,
+            )
         except RuntimeError as exc:  # the Jobs API said no: no job was created
             if "already" in str(exc) and req.submission_id in str(exc):
-                raise CloudrlError(f"a job named {req.submission_id!r} already exists on {client.address.url}: "
-                                   f"pick another --name") from None
+                raise CloudrlError(
+                    f"a job named {req.submission_id!r} already exists on {client.address.url}: pick another --name"
+                ) from None
             raise CloudrlError(f"the cluster refused the job: {first_line(exc)}") from None
         except (requests.exceptions.RequestException, KeyboardInterrupt) as exc:
             # The request may have reached the cluster before the connection broke: the job can exist
@@ -207,8 +225,10 @@ def submit(client: ClusterClient, req: JobRequest, env_values: dict[str, str], f
             if removed:
                 raise CloudrlError(f"{failed}; no job was left behind: check the connection and submit again") from None
             flag = client.address.flag
-            raise CloudrlError(f"{failed}, and whether job {req.submission_id!r} was created could not be confirmed: "
-                               f"run `cloudrl list{flag}` and `cloudrl stop {req.submission_id}{flag}`") from None
+            raise CloudrlError(
+                f"{failed}, and whether job {req.submission_id!r} was created could not be confirmed: "
+                f"run `cloudrl list{flag}` and `cloudrl stop {req.submission_id}{flag}`"
+            ) from None
 
 
 REMOVE_TIMEOUT_S = 30.0
@@ -254,7 +274,9 @@ def _job_exists(client: Any, submission_id: str) -> bool:
 
 def next_steps(address: Address, job_id: str) -> str:
     flag = address.flag
-    return (f"dashboard:   {address.job_url(job_id)}\n"
-            f"follow logs: cloudrl logs {job_id} --follow{flag}\n"
-            f"status:      cloudrl status {job_id}{flag}\n"
-            f"stop:        cloudrl stop {job_id}{flag}")
+    return (
+        f"dashboard:   {address.job_url(job_id)}\n"
+        f"follow logs: cloudrl logs {job_id} --follow{flag}\n"
+        f"status:      cloudrl status {job_id}{flag}\n"
+        f"stop:        cloudrl stop {job_id}{flag}"
+    )

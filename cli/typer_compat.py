@@ -13,16 +13,16 @@ import os
 from typing import Any, NoReturn
 
 import typer
-from typer.core import TyperGroup
-
 from cloudrl.trainer.errors import TrainerError
+from typer.core import TyperGroup
 
 
 class OneLineErrors(TyperGroup):
     """Turns expected failures into one red line: exit status 1, or 2 for a usage error."""
 
-    def make_context(self, info_name: str | None, args: list[str], parent: typer.Context | None = None,
-                     **extra: Any) -> typer.Context:
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: typer.Context | None = None, **extra: Any
+    ) -> typer.Context:
         # The top-level group parses its own options here, before `invoke` (e.g. `cloudrl --bogus`).
         try:
             return super().make_context(info_name, args, parent, **extra)

@@ -23,7 +23,6 @@ from typing import Annotated, Any
 
 import typer
 import yaml
-
 from cloudrl.trainer.presets import load_yaml, yaml_error_text
 
 from .bundle_checks import fleet_problems, task_and_fleet_problems
@@ -38,14 +37,20 @@ def bundle_files(root: Path) -> list[Path]:
     dangling ones included, so that they are reported)."""
     dirs = [root / name for name in BUNDLE_DIRS if (root / name).is_dir()]
     if not dirs:
-        hint = (f"{root} is a file; pass the checkout's directory" if root.is_file()
-                else "run `cloudrl validate` in the cloudrl checkout or pass its path (cloudrl validate PATH)")
+        hint = (
+            f"{root} is a file; pass the checkout's directory"
+            if root.is_file()
+            else "run `cloudrl validate` in the cloudrl checkout or pass its path (cloudrl validate PATH)"
+        )
         raise CloudrlError(f"no fleets/ or tasks/ in {root.resolve()}: {hint}")
-    files = sorted(p for d in dirs for p in d.rglob("*")
-                   if p.suffix in (".yml", ".yaml") and (p.is_file() or p.is_symlink()))
+    files = sorted(
+        p for d in dirs for p in d.rglob("*") if p.suffix in (".yml", ".yaml") and (p.is_file() or p.is_symlink())
+    )
     if not files:
-        raise CloudrlError(f"no *.yml or *.yaml files in {' or '.join(str(d) for d in dirs)}: nothing to check; "
-                           f"run `cloudrl validate` in the cloudrl checkout or pass its path")
+        raise CloudrlError(
+            f"no *.yml or *.yaml files in {' or '.join(str(d) for d in dirs)}: nothing to check; "
+            f"run `cloudrl validate` in the cloudrl checkout or pass its path"
+        )
     return files
 
 
@@ -70,8 +75,11 @@ def validate_file(path: Path, root: Path) -> list[Problem]:
     data = _read_yaml(path, rel)
     if isinstance(data, Problem):
         return [data]
-    problems = (_parser_problems(rel, data) + rule_problems(rel, data, path, root)
-                + task_and_fleet_problems(rel, data, path, root))
+    problems = (
+        _parser_problems(rel, data)
+        + rule_problems(rel, data, path, root)
+        + task_and_fleet_problems(rel, data, path, root)
+    )
     # One line per key: the parser's message wins over a later rule's on the same key.
     seen: set[tuple[str, str]] = set()
     unique = []
@@ -87,8 +95,12 @@ def _read_yaml(path: Path, rel: str) -> dict | Problem:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        return Problem(rel, "-", f"is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})",
-                       "save it as UTF-8 YAML, or move it out of fleets/ and tasks/")
+        return Problem(
+            rel,
+            "-",
+            f"is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})",
+            "save it as UTF-8 YAML, or move it out of fleets/ and tasks/",
+        )
     except OSError as e:
         if path.is_symlink() and e.errno in (errno.ENOENT, errno.ELOOP):
             return Problem(rel, "-", "is a symlink that leads to no file", "fix the link or remove it")
@@ -121,9 +133,15 @@ def _parser_problems(rel: str, data: dict) -> list[Problem]:
         if errors is None:
             return [Problem(rel, "-", f"dstack rejects it: {e}", "fix what dstack names")]
     except Exception as e:  # dstack's validators assume some shapes (e.g. a mapping, met with a list) and crash
-        return [Problem(rel, "-", f"dstack's parser fails on it ({type(e).__name__}: {e})",
-                        "a value has a shape dstack does not expect (a list for a mapping or the reverse): "
-                        "compare the file with dstack's reference")]
+        return [
+            Problem(
+                rel,
+                "-",
+                f"dstack's parser fails on it ({type(e).__name__}: {e})",
+                "a value has a shape dstack does not expect (a list for a mapping or the reverse): "
+                "compare the file with dstack's reference",
+            )
+        ]
     problems = []
     for err in errors:
         key = _key_of(data, err["loc"], names_a_key=err["type"] in ("missing", "extra_forbidden"))
@@ -160,8 +178,10 @@ def _explain(err: dict, key: str, data: dict, fields: dict[str, Any]) -> tuple[s
     msg = err["msg"].removeprefix("Value error, ")
     last = re.sub(r"\[\d+\]$", "", key.rsplit(".", 1)[-1])
     if kind == "union_tag_invalid":
-        return (f"dstack has no configuration type {data.get('type')!r}",
-                "use `type: task` (in tasks/) or `type: fleet` (in fleets/)")
+        return (
+            f"dstack has no configuration type {data.get('type')!r}",
+            "use `type: task` (in tasks/) or `type: fleet` (in fleets/)",
+        )
     if kind == "extra_forbidden":
         parent = [re.sub(r"\[\d+\]$", "", part) for part in key.split(".")[:-1]]
         model = fields.get(parent[-1] if parent else str(data.get("type")))
@@ -171,10 +191,12 @@ def _explain(err: dict, key: str, data: dict, fields: dict[str, Any]) -> tuple[s
     if kind == "missing":
         return (f"`{last}` is required here", f"add `{last}:`")
     if key.endswith("gpu") or ".gpu." in key:
-        return (f"dstack cannot read this GPU spec ({msg})",
-                "write NAME:COUNT or MEMORY:COUNT, e.g. `gpu: H100:8` or `gpu: 80GB..:8`")
+        return (
+            f"dstack cannot read this GPU spec ({msg})",
+            "write NAME:COUNT or MEMORY:COUNT, e.g. `gpu: H100:8` or `gpu: 80GB..:8`",
+        )
     if msg.startswith("Input should be "):
-        return (f"dstack does not accept {_value_at(data, key)!r}", "set it to " + msg[len("Input should be "):])
+        return (f"dstack does not accept {_value_at(data, key)!r}", "set it to " + msg[len("Input should be ") :])
     return (f"dstack rejects it: {msg}", "fix the value as dstack says; see dstack's reference for this key")
 
 
@@ -192,8 +214,11 @@ def _value_at(data: Any, key: str) -> Any:
 
 
 def validate(
-    root: Annotated[Path, typer.Argument(
-        help="The cloudrl checkout whose fleets/ and tasks/ to check.", show_default="the current directory")
+    root: Annotated[
+        Path,
+        typer.Argument(
+            help="The cloudrl checkout whose fleets/ and tasks/ to check.", show_default="the current directory"
+        ),
     ] = Path("."),
 ) -> None:
     """Check every dstack YAML under fleets/ and tasks/ as `dstack apply` and the dstack server would.
@@ -208,8 +233,12 @@ def validate(
     for warning in (p for p in found if p.warning):
         typer.secho(str(warning), fg=typer.colors.YELLOW, err=True)
     if problems:
-        typer.secho(f"{len(problems)} problem(s) in {len({p.path for p in problems})} file(s); "
-                    f"fix them before `dstack apply`", fg=typer.colors.RED, err=True)
+        typer.secho(
+            f"{len(problems)} problem(s) in {len({p.path for p in problems})} file(s); fix them before `dstack apply`",
+            fg=typer.colors.RED,
+            err=True,
+        )
         raise typer.Exit(1)
-    typer.echo(f"ok: {len(files)} files in fleets/ and tasks/ pass dstack's parser, its server-side "
-               f"rules and cloudrl's")
+    typer.echo(
+        f"ok: {len(files)} files in fleets/ and tasks/ pass dstack's parser, its server-side rules and cloudrl's"
+    )

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .errors import CloudrlError, ClusterUnreachable, NoSuchJob
 from .jobs import Detached, follow, job_info
@@ -31,8 +32,9 @@ POLL_S = 5.0
 Echo = Callable[[str], Any]
 
 
-def follow_through_restarts(client: ClusterClient, job_id: str, resubmit: Callable[[ClusterClient, str], str],
-                            wait_s: float, echo: Echo) -> Any:
+def follow_through_restarts(
+    client: ClusterClient, job_id: str, resubmit: Callable[[ClusterClient, str], str], wait_s: float, echo: Echo
+) -> Any:
     """Follow `job_id` to its end (jobs.follow), across cluster restarts; `resubmit(client, new_id)`
     submits the job again under a new id. Returns the final job info."""
     base, resubmits = job_id, 0
@@ -43,8 +45,10 @@ def follow_through_restarts(client: ClusterClient, job_id: str, resubmit: Callab
             if wait_s <= 0:
                 raise
             echo(f"\ncloudrl: {exc}")
-            echo(f"cloudrl: waiting up to {wait_s:g} s for the cluster to answer again at {client.address.url} "
-                 f"(Ctrl+C stops watching; the run's checkpoints stay where they are)")
+            echo(
+                f"cloudrl: waiting up to {wait_s:g} s for the cluster to answer again at {client.address.url} "
+                f"(Ctrl+C stops watching; the run's checkpoints stay where they are)"
+            )
             try:
                 client = wait_for_cluster(client, wait_s)
             except KeyboardInterrupt:
@@ -55,12 +59,16 @@ def follow_through_restarts(client: ClusterClient, job_id: str, resubmit: Callab
         except NoSuchJob:
             resubmits += 1
             if resubmits > MAX_RESUBMITS:
-                raise CloudrlError(f"the cluster came back without {job_id} a {resubmits}th time: stopped after "
-                                   f"{MAX_RESUBMITS} resubmissions; submit it again yourself (trainer.resume=auto "
-                                   f"continues from its latest checkpoint)") from None
+                raise CloudrlError(
+                    f"the cluster came back without {job_id} a {resubmits}th time: stopped after "
+                    f"{MAX_RESUBMITS} resubmissions; submit it again yourself (trainer.resume=auto "
+                    f"continues from its latest checkpoint)"
+                ) from None
             job_id = resubmit(client, f"{base}-r{resubmits}")
-            echo(f"cloudrl: the cluster came back without the job: submitted it again as {job_id}, which "
-                 f"continues from the run's latest checkpoint (trainer.resume=auto)")
+            echo(
+                f"cloudrl: the cluster came back without the job: submitted it again as {job_id}, which "
+                f"continues from the run's latest checkpoint (trainer.resume=auto)"
+            )
 
 
 def wait_for_cluster(client: ClusterClient, wait_s: float) -> ClusterClient:
@@ -73,9 +81,11 @@ def wait_for_cluster(client: ClusterClient, wait_s: float) -> ClusterClient:
             return fresh
         except CloudrlError as exc:
             if time.monotonic() + POLL_S > deadline:
-                raise CloudrlError(f"no cluster answered at {client.address.url} within {wait_s:g} s ({exc}); once it "
-                                   f"is back, submit the job again: trainer.resume=auto continues from its latest "
-                                   f"checkpoint") from None
+                raise CloudrlError(
+                    f"no cluster answered at {client.address.url} within {wait_s:g} s ({exc}); once it "
+                    f"is back, submit the job again: trainer.resume=auto continues from its latest "
+                    f"checkpoint"
+                ) from None
         time.sleep(POLL_S)
 
 

@@ -287,18 +287,18 @@ fi
 # build-index`, e.g. on the task's volume): every node serves it on 127.0.0.1:CLOUDRL_RETRIEVER_PORT
 # (8000), where that node's rollout workers query it, and joins Ray only once its /health answers, with
 # the Ray resource `retriever: 1`. So the head's ready line, which waits for every node, also means every
-# node's retriever is up. CLOUDRL_RETRIEVER_SCRIPT (trainer/retriever_server.py, shipped by the task's
+# node's retriever is up. CLOUDRL_RETRIEVER_SCRIPT (trainer/search/retriever_server.py, shipped by the task's
 # `files:`), CLOUDRL_RETRIEVER_TIMEOUT=600 (seconds to load the index).
 if [[ -n "${CLOUDRL_RETRIEVER_INDEX:-}" ]]; then
     retriever_port="${CLOUDRL_RETRIEVER_PORT:-8000}"
-    retriever_script="${CLOUDRL_RETRIEVER_SCRIPT:-trainer/retriever_server.py}"
+    retriever_script="${CLOUDRL_RETRIEVER_SCRIPT:-trainer/search/retriever_server.py}"
     retriever_timeout="${CLOUDRL_RETRIEVER_TIMEOUT:-600}"
     is_uint "$retriever_port" || die "CLOUDRL_RETRIEVER_PORT=$retriever_port is not a port number."
     is_uint "$retriever_timeout" || die "CLOUDRL_RETRIEVER_TIMEOUT=$retriever_timeout is not a number of seconds."
     [[ -f "$retriever_script" ]] || die "CLOUDRL_RETRIEVER_SCRIPT=$retriever_script is not a file: ship" \
-        "trainer/retriever_server.py with the task's files: (see tasks/ray-cluster-search.dstack.yml)."
+        "trainer/search/retriever_server.py with the task's files: (see tasks/ray-cluster-search.dstack.yml)."
     [[ -f "$CLOUDRL_RETRIEVER_INDEX/meta.json" ]] || die "CLOUDRL_RETRIEVER_INDEX=$CLOUDRL_RETRIEVER_INDEX holds" \
-        "no index on this node: build one with 'python trainer/retriever_server.py build-index --corpus" \
+        "no index on this node: build one with 'python trainer/search/retriever_server.py build-index --corpus" \
         "CORPUS.jsonl --out DIR' onto the volume every node mounts."
     "$PYTHON" -c "import bm25s" 2>/dev/null || "$PYTHON" -m pip install --quiet --disable-pip-version-check \
         --no-input "bm25s>=0.2" || die "pip could not install bm25s for the retriever."

@@ -75,8 +75,9 @@ def describe(rank: int, ip: str, phases: dict[str, float], now: float) -> str:
         return f"{ip} (rank {rank}): Ray installed {now - phases['installed']:.0f}s ago, not joined yet"
     if "started" in phases:
         return f"{ip} (rank {rank}): installing Ray (bootstrap started {now - phases['started']:.0f}s ago)"
-    return (f"{ip} (rank {rank}): no word yet (its container has not started: image still pulling, or the "
-            f"node never came)")
+    return (
+        f"{ip} (rank {rank}): no word yet (its container has not started: image still pulling, or the node never came)"
+    )
 
 
 def watch(argv: list[str]) -> int:
@@ -97,8 +98,12 @@ def watch(argv: list[str]) -> int:
             say("error: the Ray head exited before the cluster was ready")
             return 1
         try:
-            nodes = list_nodes(address=f"http://127.0.0.1:{port}", filters=[("state", "=", "ALIVE")],
-                               timeout=10, raise_on_missing_output=False)
+            nodes = list_nodes(
+                address=f"http://127.0.0.1:{port}",
+                filters=[("state", "=", "ALIVE")],
+                timeout=10,
+                raise_on_missing_output=False,
+            )
             alive = {n.node_ip: n for n in nodes}
             error = ""
         except Exception as e:  # the dashboard starts a few seconds after the GCS
@@ -111,15 +116,19 @@ def watch(argv: list[str]) -> int:
         now = time.time()
         lines = [describe(rank, ip, listener.phases.get(rank, {}), now) for rank, ip in missing]
         if elapsed >= timeout:
-            say(f"error: cluster not ready after {timeout:.0f}s: {len(missing)} of {len(expected)} nodes did not "
+            say(
+                f"error: cluster not ready after {timeout:.0f}s: {len(missing)} of {len(expected)} nodes did not "
                 f"join: {'; '.join(lines)}. Check those nodes' logs (dstack logs <run> --job <rank>); raise "
-                "CLOUDRL_READY_TIMEOUT if they are still pulling the image.")
+                "CLOUDRL_READY_TIMEOUT if they are still pulling the image."
+            )
             os.kill(ray_pid, signal.SIGTERM)
             return 1
         if elapsed - last_report >= 10:
             last_report = elapsed
-            say(f"waiting for nodes ({len(expected) - len(missing)}/{len(expected)} joined, {elapsed:.0f}s of "
-                f"{timeout:.0f}s): {'; '.join(lines)}" + (f"; {error}" if error else ""))
+            say(
+                f"waiting for nodes ({len(expected) - len(missing)}/{len(expected)} joined, {elapsed:.0f}s of "
+                f"{timeout:.0f}s): {'; '.join(lines)}" + (f"; {error}" if error else "")
+            )
         time.sleep(1)
     listener.close()
     all_joined = time.time()
@@ -132,13 +141,21 @@ def watch(argv: list[str]) -> int:
             return 1
         fabric_s = time.time() - fabric_start
     gpus = sum(int(n.resources_total.get("GPU", 0)) for n in alive.values())
-    say(f"cluster ready: {len(alive)} nodes, {gpus} GPUs, dashboard on :{port} "
-        f"({timings(boot_start, installed, ray_started, all_joined, listener.phases, fabric_s)})")
+    say(
+        f"cluster ready: {len(alive)} nodes, {gpus} GPUs, dashboard on :{port} "
+        f"({timings(boot_start, installed, ray_started, all_joined, listener.phases, fabric_s)})"
+    )
     return 0
 
 
-def timings(boot: float, installed: float, ray_started: float, all_joined: float,
-            phases: dict[int, dict[str, float]], fabric_s: float | None) -> str:
+def timings(
+    boot: float,
+    installed: float,
+    ray_started: float,
+    all_joined: float,
+    phases: dict[int, dict[str, float]],
+    fabric_s: float | None,
+) -> str:
     parts = [f"head: install {installed - boot:.0f}s, Ray start {ray_started - installed:.0f}s"]
     started = [p["started"] for p in phases.values() if "started" in p]
     installs = [p["installed"] - p["started"] for p in phases.values() if {"started", "installed"} <= set(p)]
@@ -146,8 +163,10 @@ def timings(boot: float, installed: float, ray_started: float, all_joined: float
         # Another machine's clock: a worker whose bootstrap began with the head's may read a little before it.
         lead = round(max(started) - boot)
         when = f"{lead}s after" if lead >= 0 else f"{-lead}s before"
-        parts.append(f"workers: last bootstrap began {when} the head's (image pull), "
-                     f"slowest install {max(installs, default=0):.0f}s")
+        parts.append(
+            f"workers: last bootstrap began {when} the head's (image pull), "
+            f"slowest install {max(installs, default=0):.0f}s"
+        )
     parts.append(f"all joined {all_joined - boot:.0f}s after the head's bootstrap began")
     if fabric_s is not None:
         parts.append(f"fabric check {fabric_s:.0f}s")
@@ -168,8 +187,13 @@ def probe(rank: int, world: int, master: str, port: int, size: int) -> dict:
     nccl_log = f"/tmp/cloudrl-fabric-nccl.{os.getpid()}.log"
     if on_gpu:
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", NCCL_DEBUG_FILE=nccl_log)
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://{master}:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "nccl" if on_gpu else "gloo",
+        init_method=f"tcp://{master}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
 
     def timed(tensor, reps: int) -> float:
@@ -195,9 +219,14 @@ def probe(rank: int, world: int, master: str, port: int, size: int) -> dict:
         nets = sorted(set(re.findall(r"via NET/([A-Za-z][\w ]*?)(?:/|\s|$)", text)))
         transport = "+".join(nets) or "intra-node only"
     bus_bw = size / per_op * 2 * (world - 1) / world / 1e9
-    return {"ip": os.environ.get("CLOUDRL_NODE_IP", ""), "backend": "nccl" if on_gpu else "gloo",
-            "transport": transport, "latency_us": latency * 1e6, "bus_gbs": bus_bw,
-            "fast_devices": sorted(os.path.basename(p) for p in glob.glob(os.path.join(IB_DIR, "*")))}
+    return {
+        "ip": os.environ.get("CLOUDRL_NODE_IP", ""),
+        "backend": "nccl" if on_gpu else "gloo",
+        "transport": transport,
+        "latency_us": latency * 1e6,
+        "bus_gbs": bus_bw,
+        "fast_devices": sorted(os.path.basename(p) for p in glob.glob(os.path.join(IB_DIR, "*"))),
+    }
 
 
 def fabric(expected: list[str]) -> int:
@@ -212,26 +241,38 @@ def fabric(expected: list[str]) -> int:
         port = s.getsockname()[1]
     size = int(os.environ.get("CLOUDRL_FABRIC_BYTES", str(256 << 20 if gpus else 8 << 20)))
     remote = ray.remote(probe)
-    refs = [remote.options(num_cpus=0, num_gpus=1 if gpus else 0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-        by_ip[ip]["NodeID"], soft=False), runtime_env={"env_vars": {"CLOUDRL_NODE_IP": ip}}).remote(
-        rank, len(expected), expected[0], port, size) for rank, ip in enumerate(expected)]
+    refs = [
+        remote.options(
+            num_cpus=0,
+            num_gpus=1 if gpus else 0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(by_ip[ip]["NodeID"], soft=False),
+            runtime_env={"env_vars": {"CLOUDRL_NODE_IP": ip}},
+        ).remote(rank, len(expected), expected[0], port, size)
+        for rank, ip in enumerate(expected)
+    ]
     try:
         results = ray.get(refs, timeout=float(os.environ.get("CLOUDRL_FABRIC_TIMEOUT", "300")))
     except Exception as e:
-        say(f"error: fabric check failed: the all-reduce across {len(expected)} nodes did not complete "
+        say(
+            f"error: fabric check failed: the all-reduce across {len(expected)} nodes did not complete "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Check that the nodes reach each "
-            "other on every port (NCCL_SOCKET_IFNAME, firewalls); CLOUDRL_FABRIC_CHECK=0 skips the check")
+            "other on every port (NCCL_SOCKET_IFNAME, firewalls); CLOUDRL_FABRIC_CHECK=0 skips the check"
+        )
         return 1
     transports = sorted({r["transport"] for r in results})
-    line = (f"fabric check: {results[0]['backend']} over {'/'.join(transports)}, {len(results)} nodes, bus bandwidth "
-            f"{min(r['bus_gbs'] for r in results):.2f} GB/s ({size >> 20} MB all-reduce), latency "
-            f"{max(r['latency_us'] for r in results):.0f} us")
+    line = (
+        f"fabric check: {results[0]['backend']} over {'/'.join(transports)}, {len(results)} nodes, bus bandwidth "
+        f"{min(r['bus_gbs'] for r in results):.2f} GB/s ({size >> 20} MB all-reduce), latency "
+        f"{max(r['latency_us'] for r in results):.0f} us"
+    )
     slow = [r for r in results if r["fast_devices"] and r["transport"] in ("Socket", "tcp")]
     if slow:
         devices = ", ".join(f"{','.join(r['fast_devices'])} on {r['ip']}" for r in slow)
-        say(f"error: {line}; but InfiniBand/EFA devices exist ({devices}) and the collective ran over TCP "
+        say(
+            f"error: {line}; but InfiniBand/EFA devices exist ({devices}) and the collective ran over TCP "
             "sockets. Use an image with the fabric's NCCL support (aws-ofi-nccl + libfabric for EFA, rdma-core for "
-            "IB), check NCCL_IB_DISABLE and NCCL_SOCKET_IFNAME; CLOUDRL_FABRIC_CHECK=0 accepts TCP")
+            "IB), check NCCL_IB_DISABLE and NCCL_SOCKET_IFNAME; CLOUDRL_FABRIC_CHECK=0 accepts TCP"
+        )
         return 1
     say(line)
     return 0

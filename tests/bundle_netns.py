@@ -42,8 +42,8 @@ import time
 import uuid
 from pathlib import Path
 
-from dstack_runner import REPO_ROOT, base_env
 from cloudrl.cli.local_cluster import SELF_BOUND_PORTS
+from dstack_runner import REPO_ROOT, base_env
 
 MARKER_VAR = "CLOUDRL_BUNDLE_TEST_CLUSTER"
 
@@ -92,8 +92,7 @@ def _outermost(paths) -> list[Path]:
     return kept
 
 
-def private_disk_script(covers: list[tuple[Path, Path]], keep: list[Path], hostname: str,
-                        cwd: Path) -> str:
+def private_disk_script(covers: list[tuple[Path, Path]], keep: list[Path], hostname: str, cwd: Path) -> str:
     """Shell lines for a fresh private mount namespace: lay each (target, own) of `covers` over its
     target, e.g. the node's own tmp dir over /tmp, keeping every path of `keep` and `cwd` reachable
     where it was; then set the hostname, cd to `cwd` and exec "$@".
@@ -122,13 +121,19 @@ def private_disk_script(covers: list[tuple[Path, Path]], keep: list[Path], hostn
 class Node:
     """One node's command, started in its own session; its output goes to a log file."""
 
-    def __init__(self, rank: int, ip: str, argv: list[str], env: dict[str, str], log_path: Path,
-                 cwd: Path):
+    def __init__(self, rank: int, ip: str, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path):
         self.rank, self.ip, self.env, self.log_path = rank, ip, env, log_path
         self.started_at = time.monotonic()
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -142,19 +147,23 @@ class Node:
             if match:
                 return match
             if self.proc.poll() is not None:
-                raise AssertionError(f"node {self.rank} exited ({self.proc.returncode}) before "
-                                     f"printing {pattern!r}:\n{self.output()[-4000:]}")
+                raise AssertionError(
+                    f"node {self.rank} exited ({self.proc.returncode}) before "
+                    f"printing {pattern!r}:\n{self.output()[-4000:]}"
+                )
             if time.monotonic() > deadline:
-                raise AssertionError(f"node {self.rank} did not print {pattern!r} within "
-                                     f"{timeout:.0f}s:\n{self.output()[-4000:]}")
+                raise AssertionError(
+                    f"node {self.rank} did not print {pattern!r} within {timeout:.0f}s:\n{self.output()[-4000:]}"
+                )
             time.sleep(0.2)
 
     def wait_exit(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"node {self.rank} still running after {timeout:.0f}s:\n"
-                                 f"{self.output()[-4000:]}") from None
+            raise AssertionError(
+                f"node {self.rank} still running after {timeout:.0f}s:\n{self.output()[-4000:]}"
+            ) from None
 
 
 def _marked_pids(marker: str) -> list[int]:
@@ -254,37 +263,54 @@ class Cluster:
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, dest)
 
-    def start(self, rank: int, argv: list[str], env: dict[str, str],
-              files: dict[str, Path] | None = None) -> Node:
+    def start(self, rank: int, argv: list[str], env: dict[str, str], files: dict[str, Path] | None = None) -> Node:
         """Start the node's command from its working dir, after `files` ({path there: local file})
         were copied into it."""
         self.ship(rank, files or {})
-        env = {**self.node_env(rank, env), **self.disk_env(rank),
-               "DSTACK_WORKING_DIR": str(self.workflow_dir(rank)), MARKER_VAR: self.id}
-        node = Node(rank, self.ips[rank], self.node_prefix(rank) + argv, env,
-                    self.workdir / f"node{rank}.log", cwd=self.workflow_dir(rank))
+        env = {
+            **self.node_env(rank, env),
+            **self.disk_env(rank),
+            "DSTACK_WORKING_DIR": str(self.workflow_dir(rank)),
+            MARKER_VAR: self.id,
+        }
+        node = Node(
+            rank,
+            self.ips[rank],
+            self.node_prefix(rank) + argv,
+            env,
+            self.workdir / f"node{rank}.log",
+            cwd=self.workflow_dir(rank),
+        )
         self.nodes[rank] = node
         return node
 
     def ns_exec_prefix(self, rank: int) -> list[str]:
         return []
 
-    def exec(self, rank: int, argv: list[str], timeout: float,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def exec(
+        self, rank: int, argv: list[str], timeout: float, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         """Run `argv` as the user's machine at the end of dstack's SSH tunnel into the node (for the
         head): on the node's network, with the host's filesystem and environment."""
-        return self._run(self.ns_exec_prefix(rank) + argv, {**base_env(), **(env or {})}, REPO_ROOT,
-                         timeout)
+        return self._run(self.ns_exec_prefix(rank) + argv, {**base_env(), **(env or {})}, REPO_ROOT, timeout)
 
-    def run_in_node(self, rank: int, argv: list[str], timeout: float,
-                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def run_in_node(
+        self, rank: int, argv: list[str], timeout: float, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         """Run `argv` on the node itself: its network, /tmp, home and working dir."""
         full_env = {**base_env(), **self.disk_env(rank), **(env or {})}
         return self._run(self.node_prefix(rank) + argv, full_env, self.workflow_dir(rank), timeout)
 
     def _run(self, argv: list[str], env: dict[str, str], cwd: Path, timeout: float):
-        return subprocess.run(argv, env={**env, MARKER_VAR: self.id}, cwd=cwd, capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            argv,
+            env={**env, MARKER_VAR: self.id},
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
 
     def stop(self) -> None:
         """Stop every process this cluster started (by PID), then remove its namespaces."""
@@ -345,8 +371,7 @@ class NetnsCluster(Cluster):
             self._ip("-n", ns, "link", "set", "lo", "up")
             # Both ends are created inside namespaces, so the host's own network never sees them.
             port = f"p{rank}"
-            self._ip("-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer", "name", "eth0",
-                     "netns", ns)
+            self._ip("-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
             self._ip("-n", self.bridge_ns, "link", "set", port, "master", "br0")
             self._ip("-n", self.bridge_ns, "link", "set", port, "up")
             self._ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
@@ -356,10 +381,22 @@ class NetnsCluster(Cluster):
     def node_prefix(self, rank: int) -> list[str]:
         """The node's network, plus a private mount namespace in which its own tmp and home dirs lie
         over /tmp and the home dir, and a hostname of its own: like a separate machine."""
-        script = private_disk_script(self.own_dirs(rank), self.keep, f"node-{rank}",
-                                     self.workflow_dir(rank))
-        return ["ip", "netns", "exec", self.ns[rank], "unshare", "--mount", "--uts",
-                "--propagation", "private", "sh", "-c", script, "node-disk"]
+        script = private_disk_script(self.own_dirs(rank), self.keep, f"node-{rank}", self.workflow_dir(rank))
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.ns[rank],
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "node-disk",
+        ]
 
     def ns_exec_prefix(self, rank: int) -> list[str]:
         """Only the node's network, with the host's filesystem: the user's machine at the end of
@@ -369,8 +406,7 @@ class NetnsCluster(Cluster):
     def _extra_pids(self) -> list[int]:
         pids = []
         for ns in self._made:
-            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
-                                 timeout=20)
+            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=20)
             pids += [int(p) for p in out.stdout.split()]
         return pids
 
@@ -411,10 +447,13 @@ class LoopbackCluster(Cluster):
 
     def disk_env(self, rank: int) -> dict[str, str]:
         home = self.disk(rank) / "home"
-        return {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"),
-                "HF_HOME": str(home / ".cache" / "huggingface"),
-                "CLOUDRL_CACHE": str(home / ".cache" / "cloudrl"),
-                "TMPDIR": str(self.disk(rank) / "tmp")}
+        return {
+            "HOME": str(home),
+            "XDG_CACHE_HOME": str(home / ".cache"),
+            "HF_HOME": str(home / ".cache" / "huggingface"),
+            "CLOUDRL_CACHE": str(home / ".cache" / "cloudrl"),
+            "TMPDIR": str(self.disk(rank) / "tmp"),
+        }
 
     def node_env(self, rank: int, env: dict[str, str]) -> dict[str, str]:
         ray_tmp = self.disk(rank) / "tmp" / "ray"  # where /tmp/ray is on a node of its own
@@ -424,6 +463,9 @@ class LoopbackCluster(Cluster):
         if rank == 0:
             args.append(f"--ray-client-server-port={free_port()}")
         own = env.get("CLOUDRL_RAY_START_ARGS", "")
-        return {**env, "CLOUDRL_RAY_PORT": str(self.ray_port),
-                "CLOUDRL_DASHBOARD_PORT": str(self.dashboard_port),
-                "CLOUDRL_RAY_START_ARGS": " ".join([own, *args]).strip()}
+        return {
+            **env,
+            "CLOUDRL_RAY_PORT": str(self.ray_port),
+            "CLOUDRL_DASHBOARD_PORT": str(self.dashboard_port),
+            "CLOUDRL_RAY_START_ARGS": " ".join([own, *args]).strip(),
+        }

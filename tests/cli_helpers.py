@@ -17,8 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import requests
 
@@ -31,13 +31,18 @@ SHORT_RUN = ["trainer.total_steps=2", "model.sft_warmup_steps=0"]
 def cli_env(cache: Path, **extra: str) -> dict[str, str]:
     """The environment for a `cloudrl` subprocess: its own state dir, no inherited Ray address."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "CLOUDRL_DEBUG")}
-    env.update(CLOUDRL_CACHE=str(cache), CLOUDRL_LOCAL_DASHBOARD_PORT="0",
-               PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}", **extra)
+    env.update(
+        CLOUDRL_CACHE=str(cache),
+        CLOUDRL_LOCAL_DASHBOARD_PORT="0",
+        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+        **extra,
+    )
     return env
 
 
-def run_cli(args: list[str], env: dict[str, str], timeout: float = 180, cwd: Path | None = None
-            ) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], env: dict[str, str], timeout: float = 180, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run([CLOUDRL, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
@@ -217,8 +222,13 @@ def sshd(tmp: Path) -> Iterator[tuple[int, list[str]]]:
         "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nAllowTcpForwarding yes\n"
         f"PermitRootLogin prohibit-password\nPidFile {tmp / 'sshd.pid'}\n"
     )
-    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(tmp / "sshd_config")], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp / "sshd.log", "wb"), start_new_session=True)
+    proc = subprocess.Popen(
+        [SSHD, "-D", "-e", "-f", str(tmp / "sshd_config")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "sshd.log", "wb"),
+        start_new_session=True,
+    )
     with stop_on_exit(proc):
         deadline = time.monotonic() + 10
         while True:
@@ -230,8 +240,14 @@ def sshd(tmp: Path) -> Iterator[tuple[int, list[str]]]:
             if time.monotonic() > deadline:
                 raise AssertionError("sshd did not listen within 10 s")
             time.sleep(0.1)
-        options = [f"Port={port}", f"IdentityFile={tmp / 'client_key'}", "UserKnownHostsFile=/dev/null",
-                   "StrictHostKeyChecking=no", "LogLevel=ERROR", "IdentitiesOnly=yes"]
+        options = [
+            f"Port={port}",
+            f"IdentityFile={tmp / 'client_key'}",
+            "UserKnownHostsFile=/dev/null",
+            "StrictHostKeyChecking=no",
+            "LogLevel=ERROR",
+            "IdentitiesOnly=yes",
+        ]
         yield port, options
 
 

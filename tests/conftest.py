@@ -40,8 +40,9 @@ def ray_local(private_cache):
     # token-less `cloudrl local` clusters) would inherit. Off, explicitly, as the local clusters are.
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ctx = ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
-                   configure_logging=True)
+    ctx = ray.init(
+        address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", configure_logging=True
+    )
     try:
         yield ctx.address_info["gcs_address"]
     finally:
@@ -76,27 +77,42 @@ def run_trainer(*args: str, env: dict | None = None, timeout: float = 300):
     # turn it on and warn on stderr, whichever test ran first).
     full_env.setdefault("RAY_AUTH_MODE", "disabled")
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "cloudrl.trainer", *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "cloudrl.trainer", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 def tiny_overrides(run_dir: Path, **extra) -> list[str]:
     """A short, fast run of the local preset."""
-    values = {"trainer.run_dir": str(run_dir), "trainer.total_steps": 2, "trainer.val_every": 0,
-              "model.sft_warmup_steps": 20, "trainer.loggers": "[jsonl]", "data.train_batch_size": 8,
-              "rollout.n": 2, "actor.mini_batch_size": 16, "actor.micro_batch_size": 8,
-              "critic.mini_batch_size": 16, "critic.micro_batch_size": 8}
+    values = {
+        "trainer.run_dir": str(run_dir),
+        "trainer.total_steps": 2,
+        "trainer.val_every": 0,
+        "model.sft_warmup_steps": 20,
+        "trainer.loggers": "[jsonl]",
+        "data.train_batch_size": 8,
+        "rollout.n": 2,
+        "actor.mini_batch_size": 16,
+        "actor.micro_batch_size": 8,
+        "critic.mini_batch_size": 16,
+        "critic.micro_batch_size": 8,
+    }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
 
 
 @contextlib.contextmanager
 def serving_retriever(corpus: Path, index_dir: Path, topk: int = 3):
-    """trainer/retriever_server.py's BM25 index of `corpus`, served on 127.0.0.1 in a thread; yields its
+    """trainer/search/retriever_server.py's BM25 index of `corpus`, served on 127.0.0.1 in a thread; yields its
     /retrieve URL and stops the server on exit."""
     import threading
 
-    from cloudrl.trainer.retriever_server import RetrieverServer, build_index, load_index
+    from cloudrl.trainer.search.retriever_server import RetrieverServer, build_index, load_index
 
     build_index(corpus, index_dir)
     server = RetrieverServer(("127.0.0.1", 0), load_index(index_dir), topk=topk)

@@ -50,15 +50,18 @@ def node_argv(task: dict, rank: int) -> list[str]:
     joined = []
     for command in commands:
         command = command.strip()
-        joined.append("{ %s }" % command if command.endswith("&") else command)
+        joined.append(f"{{ {command} }}" if command.endswith("&") else command)
     return [shell, "-i", "-c", " && ".join(joined)]
 
 
 def task_env(task: dict, local_env: dict[str, str]) -> dict[str, str]:
     """The task's `env` as the runner receives it; name-only entries come from `local_env`."""
     raw = task.get("env") or {}
-    items = raw.items() if isinstance(raw, dict) else (
-        (entry.split("=", 1) if "=" in entry else (entry, None)) for entry in raw)
+    items = (
+        raw.items()
+        if isinstance(raw, dict)
+        else ((entry.split("=", 1) if "=" in entry else (entry, None)) for entry in raw)
+    )
     env = {}
     for name, value in items:
         if value is None:
@@ -74,8 +77,7 @@ def shipped_files(task_path: Path, task: dict) -> dict[str, Path]:
     relative to the YAML."""
     shipped = {}
     for entry in task.get("files") or []:
-        local, _, remote = entry.partition(":") if isinstance(entry, str) else (
-            entry["local_path"], ":", entry["path"])
+        local, _, remote = entry.partition(":") if isinstance(entry, str) else (entry["local_path"], ":", entry["path"])
         remote = remote or local
         source = (task_path.parent / local).resolve()
         assert source.is_file(), f"{task_path.name} ships {local}, which does not exist"
@@ -89,7 +91,8 @@ def check_shipped_files(task_path: Path, task: dict, workdir: Path) -> None:
     work the same from a node's working dir and from the repository root."""
     for remote, source in shipped_files(task_path, task).items():
         assert (workdir / remote).resolve() == source, (
-            f"{task_path.name} ships {source.name} to {remote}, not where the repository has it")
+            f"{task_path.name} ships {source.name} to {remote}, not where the repository has it"
+        )
 
 
 def dstack_env(rank: int, ips: list[str], gpus_per_node: int) -> dict[str, str]:

@@ -18,7 +18,7 @@ class Probe:
     """Stands in for any role's worker: reports its node and the GPUs it may use, nothing else."""
 
     def __init__(self, *args, rank: int = 0, world_size: int = 1, **kwargs):
-        from cloudrl.trainer.staging import NodePaths, on_this_node
+        from cloudrl.trainer.roles.staging import NodePaths, on_this_node
 
         # A staged model path is reported as the directory it names on this worker's node.
         self.rank = rank
@@ -29,9 +29,14 @@ class Probe:
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = [g for g in visible.split(",") if g] if visible is not None else None
-        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(), "gpus": gpus,
-                "ip": ray.util.get_node_ip_address(),
-                "ray_gpus": [str(g) for g in ray.get_gpu_ids()], "kwargs": self.kwargs}
+        return {
+            "rank": self.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "gpus": gpus,
+            "ip": ray.util.get_node_ip_address(),
+            "ray_gpus": [str(g) for g in ray.get_gpu_ids()],
+            "kwargs": self.kwargs,
+        }
 
     def master_address(self) -> tuple[str, int]:
         return "127.0.0.1", 0
@@ -42,10 +47,9 @@ class Probe:
 
 def main() -> None:
     import ray
-
     from cloudrl.trainer.config import load_config
-    from cloudrl.trainer.placement import plan
-    from cloudrl.trainer.roles import WORKER_CLASSES, launch_roles
+    from cloudrl.trainer.roles.launch import WORKER_CLASSES, launch_roles
+    from cloudrl.trainer.roles.placement import plan
 
     ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR")
     # Probes load nothing, but the models are still staged on every node first: a stand-in directory.

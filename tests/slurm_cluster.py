@@ -59,20 +59,32 @@ class SlurmCluster(NetnsCluster):
         return "login" if rank == self.login else f"node-{rank}"
 
     def node_prefix(self, rank: int) -> list[str]:
-        script = private_disk_script(self.own_dirs(rank), self.keep, self.hostname(rank),
-                                     self.workflow_dir(rank))
+        script = private_disk_script(self.own_dirs(rank), self.keep, self.hostname(rank), self.workflow_dir(rank))
         # nsenter, not `ip netns exec`: that mounts a fresh /sys, without the cgroup filesystems slurmd
         # insists on reading (even with proctrack/linuxproc, which it uses here).
-        return ["nsenter", f"--net=/run/netns/{self.ns[rank]}", "unshare", "--mount", "--uts",
-                "--propagation", "private", "sh", "-c", script, "node-disk"]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.ns[rank]}",
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "node-disk",
+        ]
 
     def env(self) -> dict[str, str]:
         """Slurm's clients, daemons and jobs all find the cluster's slurm.conf through SLURM_CONF."""
         return {**base_env(), **self.user_env, "SLURM_CONF": str(self.conf), MARKER_VAR: self.id}
 
     def write_conf(self) -> None:
-        nodes = "\n".join(f"NodeName={self.hostname(r)} NodeAddr={self.ips[r]} CPUs={self.cpus} State=UNKNOWN"
-                          for r in range(self.compute))
+        nodes = "\n".join(
+            f"NodeName={self.hostname(r)} NodeAddr={self.ips[r]} CPUs={self.cpus} State=UNKNOWN"
+            for r in range(self.compute)
+        )
         state = self.shared / "state"
         state.mkdir()
         self.conf.write_text(f"""\
@@ -107,14 +119,24 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         """slurmctld on the login node, one slurmd per compute node; returns when every node is idle."""
         self.write_conf()
         env = self.env()
-        self.nodes[self.login] = Node(self.login, self.ips[self.login],
-                                      self.node_prefix(self.login) + ["slurmctld", "-D", "-i"], env,
-                                      self.workdir / "slurmctld.out", cwd=self.workflow_dir(self.login))
+        self.nodes[self.login] = Node(
+            self.login,
+            self.ips[self.login],
+            self.node_prefix(self.login) + ["slurmctld", "-D", "-i"],
+            env,
+            self.workdir / "slurmctld.out",
+            cwd=self.workflow_dir(self.login),
+        )
         for rank in range(self.compute):
             (self.disk(rank) / "tmp" / "slurmd").mkdir(parents=True, exist_ok=True)  # SlurmdSpoolDir
-            self.nodes[rank] = Node(rank, self.ips[rank],
-                                    self.node_prefix(rank) + ["slurmd", "-D", "-N", self.hostname(rank)],
-                                    env, self.workdir / f"slurmd{rank}.out", cwd=self.workflow_dir(rank))
+            self.nodes[rank] = Node(
+                rank,
+                self.ips[rank],
+                self.node_prefix(rank) + ["slurmd", "-D", "-N", self.hostname(rank)],
+                env,
+                self.workdir / f"slurmd{rank}.out",
+                cwd=self.workflow_dir(rank),
+            )
         deadline = time.monotonic() + timeout
         while True:
             out = self.login_run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=20).stdout
@@ -122,26 +144,35 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             if len(states) == self.compute and all(s == "idle" for s in states.values()):
                 return
             if time.monotonic() > deadline:
-                raise AssertionError(f"Slurm nodes not idle after {timeout:.0f}s: {states}\n"
-                                     f"{self.daemon_logs()}")
+                raise AssertionError(f"Slurm nodes not idle after {timeout:.0f}s: {states}\n{self.daemon_logs()}")
             time.sleep(0.5)
 
     def daemon_logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted([*self.shared.glob("*.log"), *self.workdir.glob("*.out")]))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted([*self.shared.glob("*.log"), *self.workdir.glob("*.out")])
+        )
 
-    def login_run(self, argv: list[str], timeout: float, env: dict[str, str] | None = None,
-                  cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
+    def login_run(
+        self, argv: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO_ROOT
+    ) -> subprocess.CompletedProcess:
         """`argv` on the login node (its network and hostname, the host's filesystem): the user's shell."""
-        return subprocess.run(["ip", "netns", "exec", self.ns[self.login], *argv],
-                              env={**self.env(), **(env or {})}, cwd=cwd, capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            ["ip", "netns", "exec", self.ns[self.login], *argv],
+            env={**self.env(), **(env or {})},
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
 
     def sbatch(self, script: Path, *args: str, env: dict[str, str] | None = None) -> int:
         """Submit `script` from the repository root on the login node; the job's id. Its output file is
         `job_output(id)` on the shared filesystem."""
-        out = self.login_run(["sbatch", "--parsable", f"--output={self.shared}/job-%j.out", *args,
-                              str(script)], timeout=30, env=env)
+        out = self.login_run(
+            ["sbatch", "--parsable", f"--output={self.shared}/job-%j.out", *args, str(script)], timeout=30, env=env
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         return int(out.stdout.strip().split(";")[0])
 
@@ -156,8 +187,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             if match:
                 return match
             if time.monotonic() > deadline or self.job_state(job) not in ("PENDING", "RUNNING", "CONFIGURING"):
-                raise AssertionError(f"job {job} ({self.job_state(job)}) did not print {pattern!r} within "
-                                     f"{timeout:.0f}s:\n{self.job_output(job)[-4000:]}\n{self.daemon_logs()}")
+                raise AssertionError(
+                    f"job {job} ({self.job_state(job)}) did not print {pattern!r} within "
+                    f"{timeout:.0f}s:\n{self.job_output(job)[-4000:]}\n{self.daemon_logs()}"
+                )
             time.sleep(0.5)
 
     def job_state(self, job: int) -> str:
@@ -167,8 +200,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def node_pids(self, rank: int) -> dict[int, str]:
         """Every process in the compute node's network namespace but its daemons (slurmd, and the sshd of
         a test): {pid: command line}."""
-        out = subprocess.run(["ip", "netns", "pids", self.ns[rank]], capture_output=True, text=True,
-                             timeout=20).stdout
+        out = subprocess.run(["ip", "netns", "pids", self.ns[rank]], capture_output=True, text=True, timeout=20).stdout
         daemon = self.nodes[rank].proc.pid
         found = {}
         for pid in map(int, out.split()):
@@ -189,15 +221,24 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             f"Port {port}\nListenAddress {self.ips[rank]}\nHostKey {keys / 'host_key'}\n"
             f"AuthorizedKeysFile {keys / 'authorized_keys'}\nPasswordAuthentication no\n"
             "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nAllowTcpForwarding yes\n"
-            f"PermitRootLogin prohibit-password\nPidFile {keys / f'sshd{rank}.pid'}\n")
+            f"PermitRootLogin prohibit-password\nPidFile {keys / f'sshd{rank}.pid'}\n"
+        )
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
-        self.nodes[f"sshd{rank}"] = Node(rank, self.ips[rank], ["ip", "netns", "exec", self.ns[rank], SSHD,
-                                         "-D", "-e", "-f", str(config)], self.env(),
-                                         self.workdir / f"sshd{rank}.out", cwd=keys)
+        self.nodes[f"sshd{rank}"] = Node(
+            rank,
+            self.ips[rank],
+            ["ip", "netns", "exec", self.ns[rank], SSHD, "-D", "-e", "-f", str(config)],
+            self.env(),
+            self.workdir / f"sshd{rank}.out",
+            cwd=keys,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            probe = subprocess.run(["ip", "netns", "exec", self.ns[rank], "bash", "-c",
-                                    f": >/dev/tcp/{self.ips[rank]}/{port}"], capture_output=True, timeout=10)
+            probe = subprocess.run(
+                ["ip", "netns", "exec", self.ns[rank], "bash", "-c", f": >/dev/tcp/{self.ips[rank]}/{port}"],
+                capture_output=True,
+                timeout=10,
+            )
             if probe.returncode == 0:
                 return port
             time.sleep(0.2)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import typer.testing
-
 from cli_helpers import CLOUDRL, cli_env
 from cloudrl.cli.app import app
 from cloudrl.trainer.config import Config, ConfigError, load_config
@@ -175,8 +174,11 @@ def test_the_defaults_and_the_presets_are_in_range() -> None:
 
 # (id, file content as bytes, parts of the message besides the path)
 PRESETS = [
-    ("section-twice", b"actor:\n  lr: 1.0e-3\ncritic:\n  lr: 1.0e-3\nactor:\n  ppo_epochs: 2\n",
-     ["not valid YAML at line 5, column 1", "'actor' is written twice, first at line 1"]),
+    (
+        "section-twice",
+        b"actor:\n  lr: 1.0e-3\ncritic:\n  lr: 1.0e-3\nactor:\n  ppo_epochs: 2\n",
+        ["not valid YAML at line 5, column 1", "'actor' is written twice, first at line 1"],
+    ),
     ("key-twice", b"actor:\n  lr: 1.0e-3\n  lr: 2.0e-3\n", ["line 3", "'actor.lr' is written twice, first at line 2"]),
     ("empty", b"", ["the preset is empty", "--preset local"]),
     ("only-comments", b"# nothing yet\n", ["the preset is empty"]),
@@ -184,8 +186,11 @@ PRESETS = [
     ("a-scalar", b"actor\n", ["a preset must be a mapping", "this one is a str"]),
     ("bad-yaml", b"actor: [\n", ["not valid YAML at line 2", "fix the file"]),
     ("two-documents", b"actor: {}\n---\ncritic: {}\n", ["not valid YAML", "expected a single document"]),
-    ("not-utf8", "actor:\n  lr: 1\n# caf\u00e9\n".encode("latin-1"),
-     ["is not UTF-8 text (byte 0xe9 at offset 20)", "saved as UTF-8"]),
+    (
+        "not-utf8",
+        "actor:\n  lr: 1\n# caf\u00e9\n".encode("latin-1"),
+        ["is not UTF-8 text (byte 0xe9 at offset 20)", "saved as UTF-8"],
+    ),
     ("binary", bytes(range(256)), ["is not UTF-8 text"]),
     ("nul-byte", b"actor:\x00\n", ["not valid YAML", "unacceptable character #x0000"]),
     ("section-is-a-value", b"actor: 3\n", ["`actor:` is a section", "takes keys, not 3"]),
@@ -307,8 +312,9 @@ def test_a_bad_ray_address_variable_is_one_line(monkeypatch: pytest.MonkeyPatch)
     assert_one_error_line(runner.invoke(app, ["list"]), 1, "RAY_ADDRESS=http://head:port is not a dashboard URL")
 
 
-@pytest.mark.parametrize("preset", [c for c in PRESETS if c[0] in ("section-twice", "empty", "binary")],
-                         ids=lambda c: c[0])
+@pytest.mark.parametrize(
+    "preset", [c for c in PRESETS if c[0] in ("section-twice", "empty", "binary")], ids=lambda c: c[0]
+)
 def test_submit_with_a_bad_preset_file_is_one_line(tmp_path: Path, preset: tuple) -> None:
     path = tmp_path / "mine.yaml"
     path.write_bytes(preset[1])
@@ -388,8 +394,9 @@ TRAINER = [
 
 
 @pytest.mark.parametrize("args, parts", TRAINER, ids=[" ".join(a) for a, _ in TRAINER])
-def test_the_trainer_process_prints_one_line_and_writes_nothing(tmp_path: Path, args: list[str],
-                                                                parts: list[str]) -> None:
+def test_the_trainer_process_prints_one_line_and_writes_nothing(
+    tmp_path: Path, args: list[str], parts: list[str]
+) -> None:
     (tmp_path / "twice.yaml").write_text("actor:\n  lr: 1.0e-3\nactor:\n  lr: 2.0e-3\n")
     (tmp_path / "folder.yaml").mkdir()
     before = sorted(tmp_path.iterdir())

@@ -19,30 +19,28 @@ from types import SimpleNamespace
 import pytest
 import torch
 import typer.testing
-
 from cli_helpers import CLOUDRL, INTERRUPTIBLE, cli_env, local_state, pids_alive, processes_with_env, send_sigint
 from cloudrl.cli import jobs, local_cluster
 from cloudrl.cli.app import app
 from cloudrl.cli.errors import CloudrlError
-from cloudrl.trainer import checkpoint
-from cloudrl.trainer.cluster import probe
 from cloudrl.trainer.config import load_config
-from cloudrl.trainer.data import PromptRecord
 from cloudrl.trainer.errors import CheckpointError, ClusterUnreachable, ModelLoadError, RewardError, RunDirError
-from cloudrl.trainer.rewards import score
-from cloudrl.trainer.run_dir import resume_point
+from cloudrl.trainer.inputs.data import PromptRecord
+from cloudrl.trainer.inputs.rewards import score
+from cloudrl.trainer.roles.cluster import probe
+from cloudrl.trainer.roles.workers import reports_load_errors
+from cloudrl.trainer.state import checkpoint
+from cloudrl.trainer.state.run_dir import resume_point
 from cloudrl.trainer.waiting import worker_errors
-from cloudrl.trainer.workers import reports_load_errors
-
 from conftest import run_trainer, tiny_overrides
 
-REWARDS = '''
+REWARDS = """
 def explode(completions, ground_truth, **kwargs):
     return [1.0 / (g != "4") for g in ground_truth]
 
 def nan_at_2(completions, **kwargs):
     return [float("nan") if i == 2 else 0.0 for i in range(len(completions))]
-'''
+"""
 
 
 def records(truths: list[str]) -> list[PromptRecord]:
@@ -70,8 +68,10 @@ def test_a_raising_reward_names_the_function_the_exception_and_the_first_sample(
     with pytest.raises(RewardError) as err:
         score(explode, ["1", "2", "7", "7"], records(["1", "2", "3", "4"]), "rewards/mine.py:explode")
     message = str(err.value)
-    assert message.startswith("reward.function=rewards/mine.py:explode raised ZeroDivisionError: float division by "
-                              "zero at test_bad_input_runtime.py:")
+    assert message.startswith(
+        "reward.function=rewards/mine.py:explode raised ZeroDivisionError: float division by "
+        "zero at test_bad_input_runtime.py:"
+    )
     assert "first on sample index 2 of 4 (completion '7', ground truth '3')" in message
     assert "\n" not in message
 
@@ -81,18 +81,25 @@ def test_a_reward_that_fails_only_on_the_whole_batch_says_so():
         assert len(completions) == 1, "expects one completion per call"
         return [0.0]
 
-    with pytest.raises(RewardError, match="AssertionError: expects one completion per call .* on the batch of 2 "
-                                          r"\(each sample alone passes\)"):
+    with pytest.raises(
+        RewardError,
+        match="AssertionError: expects one completion per call .* on the batch of 2 "
+        r"\(each sample alone passes\)",
+    ):
         score(needs_two, ["a", "b"], records(["1", "2"]), "mine:needs_two")
 
 
-@pytest.mark.parametrize("result, expected", [
-    ([0.0, float("nan"), 1.0], "returned nan at index 1 (completion 'b', ground truth '2')"),
-    ([0.0, 1.0, float("inf")], "returned inf at index 2 (completion 'c', ground truth '3')"),
-    ([0.0, "1", 1.0], "returned '1' at index 1"),
-    ([1.0], "returned 1 values for 3 completions: it must return a list of 3 numbers"),
-    ("1,1,1", "returned '1,1,1' (str)"),
-], ids=["nan", "inf", "string", "length", "not-a-list"])
+@pytest.mark.parametrize(
+    "result, expected",
+    [
+        ([0.0, float("nan"), 1.0], "returned nan at index 1 (completion 'b', ground truth '2')"),
+        ([0.0, 1.0, float("inf")], "returned inf at index 2 (completion 'c', ground truth '3')"),
+        ([0.0, "1", 1.0], "returned '1' at index 1"),
+        ([1.0], "returned 1 values for 3 completions: it must return a list of 3 numbers"),
+        ("1,1,1", "returned '1,1,1' (str)"),
+    ],
+    ids=["nan", "inf", "string", "length", "not-a-list"],
+)
 def test_bad_reward_values_name_the_function_and_the_index(result, expected):
     with pytest.raises(RewardError) as err:
         score(lambda completions, **kw: result, ["a", "b", "c"], records(["1", "2", "3"]), "mine:fn")
@@ -103,8 +110,9 @@ def test_bad_reward_values_name_the_function_and_the_index(result, expected):
 def test_worker_errors_unwraps_a_workers_trainer_error_and_passes_others():
     from ray.exceptions import RayTaskError
 
-    wrapped = RayTaskError("RewardWorker.score", "Traceback ...", RewardError("reward.function=x raised")
-                           ).as_instanceof_cause()
+    wrapped = RayTaskError(
+        "RewardWorker.score", "Traceback ...", RewardError("reward.function=x raised")
+    ).as_instanceof_cause()
     with pytest.raises(RewardError) as err, worker_errors():
         raise wrapped
     assert type(err.value) is RewardError and str(err.value) == "reward.function=x raised"
@@ -136,8 +144,10 @@ SHAPES = {"embed.weight": (10, 4), "head.weight": (2, 4)}
 
 
 def _save(run_dir: Path, algorithm: str = "ppo", parts=("actor", "critic"), shapes=SHAPES) -> Path:
-    state = {name: {"model": {k: torch.zeros(s) for k, s in shapes.items()}, "optimizer": {}, "scheduler": {}}
-             for name in parts}
+    state = {
+        name: {"model": {k: torch.zeros(s) for k, s in shapes.items()}, "optimizer": {}, "scheduler": {}}
+        for name in parts
+    }
     config = load_config("local", [f"algorithm.name={algorithm}"]).to_yaml()
     return checkpoint.save(str(run_dir), 1, state, {"step": 1}, config, keep_last=2)
 
@@ -149,24 +159,32 @@ def test_a_truncated_checkpoint_names_the_file_and_the_sizes(tmp_path):
         f.truncate(size // 2)
     with pytest.raises(CheckpointError) as err:
         checkpoint.load(path, ["actor", "critic"])
-    assert str(err.value).startswith(f"checkpoint file {path}/actor.pt has {size // 2} bytes but was saved with {size} "
-                                     f"(a truncated or incomplete copy): resume from an earlier checkpoint")
+    assert str(err.value).startswith(
+        f"checkpoint file {path}/actor.pt has {size // 2} bytes but was saved with {size} "
+        f"(a truncated or incomplete copy): resume from an earlier checkpoint"
+    )
 
 
 def test_a_corrupted_checkpoint_names_the_file(tmp_path):
     path = _save(tmp_path)
     size = (path / "critic.pt").stat().st_size
     (path / "critic.pt").write_bytes(b"\0" * size)  # same size: only reading it finds out
-    with pytest.raises(CheckpointError, match=rf"^cannot read checkpoint file {path}/critic.pt \(\w+: .*\), it is "
-                                              r"corrupted: resume from an earlier checkpoint"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^cannot read checkpoint file {path}/critic.pt \(\w+: .*\), it is "
+        r"corrupted: resume from an earlier checkpoint",
+    ):
         checkpoint.load(path, ["actor", "critic"])
 
 
 def test_a_checkpoint_of_another_algorithm_is_refused(tmp_path):
     ckpt = checkpoint.load(_save(tmp_path, "grpo", parts=("actor",)), ["actor", "critic"])
-    with pytest.raises(CheckpointError, match="saved by an algorithm.name=grpo run and this run sets "
-                                              "algorithm.name=ppo: resume it with algorithm.name=grpo, or pick a new "
-                                              "trainer.run_dir"):
+    with pytest.raises(
+        CheckpointError,
+        match="saved by an algorithm.name=grpo run and this run sets "
+        "algorithm.name=ppo: resume it with algorithm.name=grpo, or pick a new "
+        "trainer.run_dir",
+    ):
         checkpoint.check_matches(ckpt, load_config("local"), {})
 
 
@@ -183,26 +201,34 @@ def test_a_checkpoint_of_another_model_size_names_the_tensor(tmp_path):
     bigger = {**SHAPES, "embed.weight": (10, 8)}
     with pytest.raises(CheckpointError) as err:
         checkpoint.check_matches(ckpt, cfg, {"actor": bigger})
-    assert str(err.value) == (f"checkpoint {ckpt.path}/actor.pt does not fit the actor model of "
-                              f"model.path=builtin:tiny: embed.weight is [10, 4] in the checkpoint and [10, 8] in the "
-                              f"model (another model size?): resume with the model it was trained from, or pick a "
-                              f"new trainer.run_dir (trainer.resume=never)")
+    assert str(err.value) == (
+        f"checkpoint {ckpt.path}/actor.pt does not fit the actor model of "
+        f"model.path=builtin:tiny: embed.weight is [10, 4] in the checkpoint and [10, 8] in the "
+        f"model (another model size?): resume with the model it was trained from, or pick a "
+        f"new trainer.run_dir (trainer.resume=never)"
+    )
 
 
 def test_shape_difference_in_words():
     assert checkpoint.shape_difference(SHAPES, SHAPES) is None
-    assert checkpoint.shape_difference({"a": (1,)}, {"a": (1,), "b": (2,)}) == \
-        "the checkpoint lacks b (1 missing, 0 unexpected tensors)"
-    assert checkpoint.shape_difference({"a": (1,), "c": (3,)}, {"a": (1,)}) == \
-        "the model has no c (0 missing, 1 unexpected tensors)"
-    assert checkpoint.shape_difference({"a": (1,), "b": (1,)}, {"a": (2,), "b": (2,)}) == \
-        "a is [1] in the checkpoint and [2] in the model (1 more tensors differ)"
+    assert (
+        checkpoint.shape_difference({"a": (1,)}, {"a": (1,), "b": (2,)})
+        == "the checkpoint lacks b (1 missing, 0 unexpected tensors)"
+    )
+    assert (
+        checkpoint.shape_difference({"a": (1,), "c": (3,)}, {"a": (1,)})
+        == "the model has no c (0 missing, 1 unexpected tensors)"
+    )
+    assert (
+        checkpoint.shape_difference({"a": (1,), "b": (1,)}, {"a": (2,), "b": (2,)})
+        == "a is [1] in the checkpoint and [2] in the model (1 more tensors differ)"
+    )
 
 
 def test_expected_shapes_are_those_of_the_loaded_models():
     """The meta-device models the resume check builds have exactly the loaded models' tensors."""
-    from cloudrl.trainer.models import load_causal_lm, load_value_model
-    from cloudrl.trainer.demo import materialize_builtin
+    from cloudrl.trainer.inputs.demo import materialize_builtin
+    from cloudrl.trainer.inputs.models import load_causal_lm, load_value_model
 
     path = materialize_builtin("tiny")
     for role, load in (("actor", load_causal_lm), ("critic", load_value_model)):
@@ -221,12 +247,18 @@ def test_an_empty_run_dir_is_refused():
         resume_point("", "auto")
 
 
-@pytest.mark.parametrize("resume, with_checkpoint, fix", [
-    ("auto", False, "it has no checkpoint to resume from: pick a new trainer.run_dir, or delete {run_dir} to start "
-                    "it over"),
-    ("never", True, "pick a new trainer.run_dir, or continue that run with trainer.resume=auto"),
-    ("elsewhere", False, "resuming from {other} here would write over them: pick a new trainer.run_dir"),
-])
+@pytest.mark.parametrize(
+    "resume, with_checkpoint, fix",
+    [
+        (
+            "auto",
+            False,
+            "it has no checkpoint to resume from: pick a new trainer.run_dir, or delete {run_dir} to start it over",
+        ),
+        ("never", True, "pick a new trainer.run_dir, or continue that run with trainer.resume=auto"),
+        ("elsewhere", False, "resuming from {other} here would write over them: pick a new trainer.run_dir"),
+    ],
+)
 def test_a_run_dir_with_another_runs_files_is_refused(tmp_path, resume, with_checkpoint, fix):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -237,8 +269,9 @@ def test_a_run_dir_with_another_runs_files_is_refused(tmp_path, resume, with_che
     with pytest.raises(RunDirError) as err:
         resume_point(str(run_dir), str(other) if resume == "elsewhere" else resume)
     found = "config.yaml, checkpoints" if with_checkpoint else "config.yaml"
-    assert str(err.value) == (f"trainer.run_dir={run_dir} holds another run's files ({found}); "
-                              f"{fix.format(run_dir=run_dir, other=other)}")
+    assert str(err.value) == (
+        f"trainer.run_dir={run_dir} holds another run's files ({found}); {fix.format(run_dir=run_dir, other=other)}"
+    )
 
 
 def test_a_fresh_or_resumed_run_dir_is_accepted(tmp_path):
@@ -263,9 +296,11 @@ def test_a_dead_ray_address_fails_in_one_line_at_once():
     with pytest.raises(ClusterUnreachable) as err:
         probe(f"127.0.0.1:{dead}", "RAY_ADDRESS")
     assert time.monotonic() - start < 1
-    assert str(err.value) == (f"RAY_ADDRESS=127.0.0.1:{dead}: no Ray cluster answers there (connection refused "
-                              f"within 3 s): unset RAY_ADDRESS to start a local Ray instance, or start the cluster "
-                              f"first (`cloudrl local up`, or `ray start --head` on that host)")
+    assert str(err.value) == (
+        f"RAY_ADDRESS=127.0.0.1:{dead}: no Ray cluster answers there (connection refused "
+        f"within 3 s): unset RAY_ADDRESS to start a local Ray instance, or start the cluster "
+        f"first (`cloudrl local up`, or `ray start --head` on that host)"
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -278,8 +313,9 @@ def test_the_trainer_with_a_stale_ray_address_fails_fast(tmp_path):
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     start = time.monotonic()
-    result = run_trainer("--preset", "local", f"trainer.run_dir={tmp_path}", env={"RAY_ADDRESS": f"127.0.0.1:{dead}"},
-                         timeout=60)
+    result = run_trainer(
+        "--preset", "local", f"trainer.run_dir={tmp_path}", env={"RAY_ADDRESS": f"127.0.0.1:{dead}"}, timeout=60
+    )
     assert time.monotonic() - start < 20
     assert one_line_error(result).startswith(f"error: RAY_ADDRESS=127.0.0.1:{dead}: no Ray cluster answers there")
 
@@ -300,7 +336,8 @@ def test_local_up_refuses_more_nodes_than_the_machine_holds(monkeypatch, tmp_pat
     assert result.stderr.strip() == (
         "error: --nodes 100 is more than this machine can run: at most 8 (2 CPU cores x 4 allow 8; 64.0 GB of free "
         "memory at ~1.1 GB per node (--object-store-mb 512 + 600 MB of Ray processes) allows 57): "
-        "use --nodes 8 or fewer")
+        "use --nodes 8 or fewer"
+    )
     assert local_state(tmp_path) is None  # nothing started, nothing recorded
     local_cluster.check_capacity(8, 512)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=1 * 2**30))
@@ -309,8 +346,10 @@ def test_local_up_refuses_more_nodes_than_the_machine_holds(monkeypatch, tmp_pat
 
 
 def test_the_jobs_own_error_line_is_the_reason_shown():
-    traceback_only = ("step 1/2 | x=1\nTraceback (most recent call last):\n  File \"a.py\", line 1\n"
-                      "ray.exceptions.RayTaskError(KeyError): ray::RewardWorker.score()\nKeyError: 'answer'\n")
+    traceback_only = (
+        'step 1/2 | x=1\nTraceback (most recent call last):\n  File "a.py", line 1\n'
+        "ray.exceptions.RayTaskError(KeyError): ray::RewardWorker.score()\nKeyError: 'answer'\n"
+    )
     assert jobs.last_error_line(traceback_only) == "KeyError: 'answer'"
     own = "error: reward.function=mine:fn returned nan at index 2\n(RewardWorker pid=1) shutting down\n"
     assert jobs.last_error_line(own) == "error: reward.function=mine:fn returned nan at index 2"
@@ -319,16 +358,23 @@ def test_the_jobs_own_error_line_is_the_reason_shown():
 
 
 def test_status_ends_with_the_jobs_own_error():
+    from cloudrl.cli.ray_api import Address
     from ray.job_submission import JobStatus
 
-    from cloudrl.cli.ray_api import Address
-
-    info = SimpleNamespace(submission_id="j1", job_id=None, status=JobStatus.FAILED, start_time=1, end_time=2,
-                           metadata={}, message="Job entrypoint command failed with exit code 1")
+    info = SimpleNamespace(
+        submission_id="j1",
+        job_id=None,
+        status=JobStatus.FAILED,
+        start_time=1,
+        end_time=2,
+        metadata={},
+        message="Job entrypoint command failed with exit code 1",
+    )
     logs = "step 1/2 | rollout/reward_mean=0.5 | 1 s/step\nerror: reward.function=mine:fn raised KeyError: 'x'\n"
     calls = {"read job j1": info, "read the logs of j1": logs}
-    client = SimpleNamespace(address=Address("http://127.0.0.1:8265", "default"),
-                           call=lambda fn, what, job_id=None: calls[what])
+    client = SimpleNamespace(
+        address=Address("http://127.0.0.1:8265", "default"), call=lambda fn, what, job_id=None: calls[what]
+    )
     text = jobs.status_text(client, "j1")
     assert text.splitlines()[-1] == "error:     reward.function=mine:fn raised KeyError: 'x'"
     assert "latest:    step 1/2" in text
@@ -364,8 +410,10 @@ def test_a_raising_reward_in_a_reward_worker_ends_the_run_in_one_line(tmp_path):
     overrides = tiny_overrides(tmp_path / "run", **{"reward.function": f"{_reward_file(tmp_path)}:explode"})
     result = run_trainer("--preset", "local", *overrides, env={"CLOUDRL_TEST_MARK": mark}, timeout=240)
     last = one_line_error(result)
-    assert last.startswith(f"error: reward.function={tmp_path}/my_rewards.py:explode raised ZeroDivisionError: "
-                           f"float division by zero at my_rewards.py:3, first on sample index ")
+    assert last.startswith(
+        f"error: reward.function={tmp_path}/my_rewards.py:explode raised ZeroDivisionError: "
+        f"float division by zero at my_rewards.py:3, first on sample index "
+    )
     deadline = time.monotonic() + 20
     while processes_with_env("CLOUDRL_TEST_MARK", mark) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -374,12 +422,14 @@ def test_a_raising_reward_in_a_reward_worker_ends_the_run_in_one_line(tmp_path):
 
 @pytest.mark.ray
 def test_a_nan_reward_in_the_driver_ends_the_run_in_one_line(ray_local, tmp_path):
-    overrides = tiny_overrides(tmp_path / "run", **{"reward.function": f"{_reward_file(tmp_path)}:nan_at_2",
-                                                    "reward.in_driver": "true"})
+    overrides = tiny_overrides(
+        tmp_path / "run", **{"reward.function": f"{_reward_file(tmp_path)}:nan_at_2", "reward.in_driver": "true"}
+    )
     result = run_trainer("--preset", "local", *overrides, env={"RAY_ADDRESS": ray_local}, timeout=240)
     last = one_line_error(result)
-    assert last.startswith(f"error: reward.function={tmp_path}/my_rewards.py:nan_at_2 returned nan at index 2 "
-                           f"(completion ")
+    assert last.startswith(
+        f"error: reward.function={tmp_path}/my_rewards.py:nan_at_2 returned nan at index 2 (completion "
+    )
     assert last.endswith("each finite")
     assert _resources_released()
 
@@ -389,7 +439,7 @@ def test_a_critic_that_cannot_load_names_role_path_and_node(ray_local, tmp_path)
     """Corrupted weights: the tokenizer (read by the driver) loads, the critic's worker cannot."""
     import shutil
 
-    from cloudrl.trainer.models import resolve_path
+    from cloudrl.trainer.inputs.models import resolve_path
 
     overrides = tiny_overrides(tmp_path / "run")
     good = resolve_path("builtin:tiny", load_config("local", overrides))
@@ -397,8 +447,9 @@ def test_a_critic_that_cannot_load_names_role_path_and_node(ray_local, tmp_path)
     shutil.copytree(good, critic)
     with open(critic / "model.safetensors", "r+b") as f:
         f.write(b"\xff" * 64)  # the header's length field: now absurd
-    result = run_trainer("--preset", "local", *overrides, f"critic.model_path={critic}",
-                         env={"RAY_ADDRESS": ray_local}, timeout=240)
+    result = run_trainer(
+        "--preset", "local", *overrides, f"critic.model_path={critic}", env={"RAY_ADDRESS": ray_local}, timeout=240
+    )
     last = one_line_error(result)
     assert last.startswith("error: critic rank 0 on node ")
     assert f": cannot load the critic model from '{critic}' (SafetensorError: " in last
@@ -411,7 +462,6 @@ def test_a_critic_that_cannot_load_names_role_path_and_node(ray_local, tmp_path)
 def test_a_failed_worker_call_ends_the_wait_at_once(ray_local):
     """A worker's error is raised as soon as its call ends, not after the slowest other worker."""
     import ray
-
     from cloudrl.trainer.waiting import get_all
 
     @ray.remote(num_cpus=0)
@@ -454,17 +504,25 @@ def test_a_run_dir_holding_another_run_is_refused_and_left_alone(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
     before = [_snapshot(tmp_path / name) for name in ("config.yaml", "metrics.jsonl")]
     result = run_trainer("--preset", "local", *tiny_overrides(tmp_path), timeout=120)
-    assert one_line_error(result) == (f"error: trainer.run_dir={tmp_path} holds another run's files (config.yaml, "
-                                      f"metrics.jsonl); it has no checkpoint to resume from: pick a new "
-                                      f"trainer.run_dir, or delete {tmp_path} to start it over")
+    assert one_line_error(result) == (
+        f"error: trainer.run_dir={tmp_path} holds another run's files (config.yaml, "
+        f"metrics.jsonl); it has no checkpoint to resume from: pick a new "
+        f"trainer.run_dir, or delete {tmp_path} to start it over"
+    )
     assert [_snapshot(tmp_path / name) for name in ("config.yaml", "metrics.jsonl")] == before
 
 
 @pytest.mark.ray
 def test_ctrl_c_during_local_up_stops_what_it_started(tmp_path):
     mark = uuid.uuid4().hex
-    proc = subprocess.Popen([CLOUDRL, "local", "up", "--nodes", "2"], env=cli_env(tmp_path, CLOUDRL_TEST_MARK=mark),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **INTERRUPTIBLE)
+    proc = subprocess.Popen(
+        [CLOUDRL, "local", "up", "--nodes", "2"],
+        env=cli_env(tmp_path, CLOUDRL_TEST_MARK=mark),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **INTERRUPTIBLE,
+    )
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 60
@@ -478,8 +536,9 @@ def test_ctrl_c_during_local_up_stops_what_it_started(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, stderr
-    assert stderr.strip() == ("interrupted: stopped every Ray node `cloudrl local up` had started; "
-                              "nothing is left running")
+    assert stderr.strip() == (
+        "interrupted: stopped every Ray node `cloudrl local up` had started; nothing is left running"
+    )
     assert pids, "interrupted before any node started"
     assert pids_alive(pids) == [] and processes_with_env("CLOUDRL_TEST_MARK", mark) == []
     assert local_state(tmp_path) is None

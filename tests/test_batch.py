@@ -5,8 +5,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-
-from cloudrl.trainer.batch import Batch, build_batch, from_wire, position_ids, to_wire
+from cloudrl.trainer.algo.batch import Batch, build_batch, from_wire, position_ids, to_wire
 
 
 def naive_layout(prompts, responses, pad, logprobs):

@@ -20,7 +20,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from bundle_netns import Cluster, LoopbackCluster, NetnsCluster, netns_unavailable_reason
 from dstack_runner import (
     REPO_ROOT,
@@ -70,18 +69,27 @@ def netns_reason() -> str | None:
     return _netns_reason[0]
 
 
-@pytest.fixture(scope="module", params=[pytest.param("netns", marks=[pytest.mark.netns, pytest.mark.ray]),
-                                        pytest.param("loopback", marks=pytest.mark.ray)])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("netns", marks=[pytest.mark.netns, pytest.mark.ray]),
+        pytest.param("loopback", marks=pytest.mark.ray),
+    ],
+)
 def kind(request) -> str:
     """Where the simulated nodes live: network namespaces, or (where this machine has none for us)
     127.0.0.x addresses of the host. CLOUDRL_TEST_CLUSTER=loopback runs the stand-in instead."""
     forced = os.environ.get("CLOUDRL_TEST_CLUSTER") == "loopback"
     if request.param == "netns" and (netns_reason() or forced):
-        pytest.skip(f"network namespaces unavailable ({netns_reason() or 'CLOUDRL_TEST_CLUSTER=loopback'}); "
-                    f"the loopback stand-in runs these checks instead")
+        pytest.skip(
+            f"network namespaces unavailable ({netns_reason() or 'CLOUDRL_TEST_CLUSTER=loopback'}); "
+            f"the loopback stand-in runs these checks instead"
+        )
     if request.param == "loopback" and not (netns_reason() or forced):
-        pytest.skip("network namespaces are available and the netns run covers these checks; "
-                    "CLOUDRL_TEST_CLUSTER=loopback runs the 127.0.0.x stand-in")
+        pytest.skip(
+            "network namespaces are available and the netns run covers these checks; "
+            "CLOUDRL_TEST_CLUSTER=loopback runs the 127.0.0.x stand-in"
+        )
     return request.param
 
 
@@ -101,8 +109,7 @@ def start_node(cluster: Cluster, task: dict, rank: int, num_nodes: int | None = 
     `files:` (read as tasks/ray-cluster.dstack.yml's) copied into the node's working dir."""
     ips = cluster.ips[: num_nodes or cluster.size]
     task = {**task, "nodes": len(ips)}
-    env = {**base_env(), **task_env(task, LOCAL_ENV), **TEST_KNOBS, **knobs,
-           **dstack_env(rank, ips, GPUS_PER_NODE)}
+    env = {**base_env(), **task_env(task, LOCAL_ENV), **TEST_KNOBS, **knobs, **dstack_env(rank, ips, GPUS_PER_NODE)}
     return cluster.start(rank, node_argv(task, rank), env, files=shipped_files(TASK_PATH, task))
 
 
@@ -148,7 +155,8 @@ def test_head_prints_one_ready_line_with_all_nodes_and_gpus(two_nodes):
     head_log = two_nodes.nodes[0].output()
     ready = [line for line in head_log.splitlines() if "cluster ready:" in line]
     assert len(ready) == 1 and ready[0].startswith(
-        f"[cloudrl rank 0] cluster ready: 2 nodes, 16 GPUs, dashboard on :{dashboard_port(two_nodes)} (head: install ")
+        f"[cloudrl rank 0] cluster ready: 2 nodes, 16 GPUs, dashboard on :{dashboard_port(two_nodes)} (head: install "
+    )
     # Ray itself agrees: both addresses alive, as seen from the head.
     nodes = alive_nodes(two_nodes)
     assert sorted(nodes) == sorted(two_nodes.ips)
@@ -179,8 +187,7 @@ def run_job(cluster: Cluster, driver: str, *args: str) -> str:
     )
     url = f"http://127.0.0.1:{dashboard_port(cluster)}"
     entrypoint = shlex.join(["python", "-c", driver, *args])
-    result = cluster.exec(0, [sys.executable, "-c", client, url, entrypoint], timeout=200,
-                          env=client_env(cluster))
+    result = cluster.exec(0, [sys.executable, "-c", client, url, entrypoint], timeout=200, env=client_env(cluster))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "status SUCCEEDED" in result.stdout, result.stdout
     return result.stdout
@@ -237,25 +244,30 @@ def test_dashboard_listens_on_loopback_only(two_nodes):
     assert dashboard, f"nothing listens on :{port}"
     assert set(dashboard) == {f"127.0.0.1:{port}"}, dashboard
     # And from the worker the head's dashboard port is closed (the GCS port is open).
-    probe = ("import socket, sys\n"
-             "def is_open(port):\n"
-             "    try:\n"
-             "        socket.create_connection((sys.argv[1], port), timeout=5).close()\n"
-             "        return True\n"
-             "    except OSError:\n"
-             "        return False\n"
-             "print(is_open(int(sys.argv[2])), is_open(int(sys.argv[3])))\n")
+    probe = (
+        "import socket, sys\n"
+        "def is_open(port):\n"
+        "    try:\n"
+        "        socket.create_connection((sys.argv[1], port), timeout=5).close()\n"
+        "        return True\n"
+        "    except OSError:\n"
+        "        return False\n"
+        "print(is_open(int(sys.argv[2])), is_open(int(sys.argv[3])))\n"
+    )
     gcs_port = two_nodes.ray_port if isinstance(two_nodes, LoopbackCluster) else 6379
-    result = two_nodes.exec(1, [sys.executable, "-c", probe, two_nodes.ips[0], str(port), str(gcs_port)],
-                            timeout=30)
+    result = two_nodes.exec(1, [sys.executable, "-c", probe, two_nodes.ips[0], str(port), str(gcs_port)], timeout=30)
     assert result.stdout.split() == ["False", "True"], result.stdout + result.stderr
 
 
 def test_cloudrl_commands_authenticate_with_the_token_from_the_environment(two_nodes, tmp_path):
     # `cloudrl list` where dstack's tunnel ends (the head's loopback), with and without RAY_AUTH_TOKEN; an
     # empty HOME, so no ~/.ray/auth_token stands in for it.
-    cli = [str(Path(sys.executable).parent / "cloudrl"), "list", "--address",
-           f"http://127.0.0.1:{dashboard_port(two_nodes)}"]
+    cli = [
+        str(Path(sys.executable).parent / "cloudrl"),
+        "list",
+        "--address",
+        f"http://127.0.0.1:{dashboard_port(two_nodes)}",
+    ]
     home = {"HOME": str(tmp_path)}
     ok = two_nodes.exec(0, cli, timeout=90, env={**home, "RAY_AUTH_TOKEN": two_nodes.nodes[0].env["RAY_AUTH_TOKEN"]})
     assert ok.returncode == 0, ok.stdout + ok.stderr
@@ -263,7 +275,8 @@ def test_cloudrl_commands_authenticate_with_the_token_from_the_environment(two_n
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines() == [
         f"error: the cluster at http://127.0.0.1:{dashboard_port(two_nodes)} uses Ray token authentication and no "
-        "token is set here: set RAY_AUTH_TOKEN to the cluster's token (`ray get-auth-token` on its head node)"]
+        "token is set here: set RAY_AUTH_TOKEN to the cluster's token (`ray get-auth-token` on its head node)"
+    ]
 
 
 def test_from_another_host_of_the_cluster_network_only_token_checked_ray_ports_answer(two_nodes):
@@ -272,23 +285,24 @@ def test_from_another_host_of_the_cluster_network_only_token_checked_ray_ports_a
     # the token, and accepts them with it.
     if isinstance(two_nodes, LoopbackCluster):
         pytest.skip("the loopback stand-in has no separate network")
-    probe = ("import sys, urllib.request, urllib.error\n"
-             "def status(headers):\n"
-             "    try:\n"
-             "        return urllib.request.urlopen(urllib.request.Request(sys.argv[1], headers=headers), timeout=10).status\n"
-             "    except urllib.error.HTTPError as e:\n"
-             "        return e.code\n"
-             "print(status({}), status({'Authorization': 'Bearer ' + sys.argv[2]}))\n")
+    probe = (
+        "import sys, urllib.request, urllib.error\n"
+        "def status(headers):\n"
+        "    try:\n"
+        "        return urllib.request.urlopen(urllib.request.Request(sys.argv[1], headers=headers), timeout=10).status\n"
+        "    except urllib.error.HTTPError as e:\n"
+        "        return e.code\n"
+        "print(status({}), status({'Authorization': 'Bearer ' + sys.argv[2]}))\n"
+    )
     url = f"http://{two_nodes.ips[0]}:52365/api/job_agent/jobs/nonexistent/logs"
-    result = two_nodes.exec(1, [sys.executable, "-c", probe, url, two_nodes.nodes[0].env["RAY_AUTH_TOKEN"]],
-                            timeout=30)
+    result = two_nodes.exec(1, [sys.executable, "-c", probe, url, two_nodes.nodes[0].env["RAY_AUTH_TOKEN"]], timeout=30)
     without, with_token = result.stdout.split()
     assert without == "401", result.stdout + result.stderr
     assert with_token != "401", result.stdout
 
 
 def test_nccl_settings_come_from_the_task_env(two_nodes, task):
-    for rank, node in two_nodes.nodes.items():
+    for node in two_nodes.nodes.values():
         line = next(line for line in node.output().splitlines() if "NCCL_SOCKET_IFNAME=" in line)
         # The task says `auto`: the interface that holds the node's dstack IP (127.0.0.x stand-ins
         # are held by no interface, so NCCL would pick); no InfiniBand devices here.
@@ -310,7 +324,7 @@ def listening_tcp(cluster: Cluster, rank: int) -> list[str]:
         addr_hex, port_hex = fields[1].split(":")
         raw = bytes.fromhex(addr_hex)
         # The kernel prints each 32-bit word of the address in host (little-endian) order.
-        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
         addr = ipaddress.ip_address(raw)
         if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
             addr = addr.ipv4_mapped
@@ -320,13 +334,18 @@ def listening_tcp(cluster: Cluster, rank: int) -> list[str]:
 
 def alive_nodes(cluster: Cluster) -> dict[str, int]:
     """{node IP: GPUs} of the alive Ray nodes, asked from inside the head."""
-    script = ("import json, sys\n"
-              "from ray.util.state import list_nodes\n"
-              "nodes = list_nodes(address=sys.argv[1], filters=[('state', '=', 'ALIVE')])\n"
-              "print(json.dumps({n.node_ip: int(n.resources_total.get('GPU', 0)) for n in nodes}))\n")
-    result = cluster.exec(0, [sys.executable, "-c", script,
-                              f"http://127.0.0.1:{dashboard_port(cluster)}"], timeout=60,
-                          env=client_env(cluster))
+    script = (
+        "import json, sys\n"
+        "from ray.util.state import list_nodes\n"
+        "nodes = list_nodes(address=sys.argv[1], filters=[('state', '=', 'ALIVE')])\n"
+        "print(json.dumps({n.node_ip: int(n.resources_total.get('GPU', 0)) for n in nodes}))\n"
+    )
+    result = cluster.exec(
+        0,
+        [sys.executable, "-c", script, f"http://127.0.0.1:{dashboard_port(cluster)}"],
+        timeout=60,
+        env=client_env(cluster),
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -345,8 +364,7 @@ def test_three_nodes_with_a_worker_started_20s_before_the_head(kind, task, tmp_p
         head = start_node(cluster, task, 0)
         start_node(cluster, task, 1)
         head.wait_for(READY, BRING_UP_TIMEOUT)
-        print(f"\n{cluster.kind} 3-node cluster ready in {time.monotonic() - started:.1f}s "
-              f"after the head started")
+        print(f"\n{cluster.kind} 3-node cluster ready in {time.monotonic() - started:.1f}s after the head started")
         assert f"cluster ready: 3 nodes, {3 * GPUS_PER_NODE} GPUs" in head.output()
         log = early.output()
         assert early.proc.poll() is None, log
@@ -395,8 +413,10 @@ def test_head_fails_within_its_timeout_naming_the_missing_node(kind, task, tmp_p
         assert "CLOUDRL_READY_TIMEOUT" in message
         # The head's Ray stops, so dstack sees the job fail.
         assert head.wait_exit(60) != 0
-        print(f"\nhead gave up {failed_after:.1f}s after start (timeout {timeout_s}s, counted from Ray's "
-              f"start), exited {time.monotonic() - head.started_at:.1f}s after start")
+        print(
+            f"\nhead gave up {failed_after:.1f}s after start (timeout {timeout_s}s, counted from Ray's "
+            f"start), exited {time.monotonic() - head.started_at:.1f}s after start"
+        )
         # Not before its timeout; after it, only by the bootstrap's own set-up (pip check, Python imports).
         assert timeout_s <= failed_after < timeout_s + 60
     finally:
@@ -406,5 +426,12 @@ def test_head_fails_within_its_timeout_naming_the_missing_node(kind, task, tmp_p
 
 def run_bootstrap(env: dict[str, str], timeout: float, token: bool = True) -> subprocess.CompletedProcess:
     auth = {"RAY_AUTH_TOKEN": LOCAL_ENV["RAY_AUTH_TOKEN"]} if token else {}
-    return subprocess.run(["bash", str(BOOTSTRAP)], env={**base_env(), **auth, **env}, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        ["bash", str(BOOTSTRAP)],
+        env={**base_env(), **auth, **env},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )

@@ -8,11 +8,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
 from cloudrl.cli.app import app
 from cloudrl.cli.pins import RAY_VERSION
 from cloudrl.cli.validate import Problem, bundle_files, validate_bundle
+from typer.testing import CliRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -23,10 +22,14 @@ def test_the_bundle_passes():
     assert [str(p) for p in validate_bundle(REPO_ROOT)] == [
         "warning: tasks/ray-cluster-amd.dstack.yml: image: vllm/vllm-openai-rocm:v0.32.0 was not confirmed to "
         "exist when this bundle was written — check it with `docker manifest inspect vllm/vllm-openai-rocm:v0.32.0` "
-        "before `dstack apply`"]
+        "before `dstack apply`"
+    ]
     names = {p.relative_to(REPO_ROOT).as_posix() for p in bundle_files(REPO_ROOT)}
-    assert {"tasks/ray-cluster.dstack.yml", "tasks/ray-cluster-groups.dstack.yml",
-            "tasks/ray-cluster-amd.dstack.yml"} <= names
+    assert {
+        "tasks/ray-cluster.dstack.yml",
+        "tasks/ray-cluster-groups.dstack.yml",
+        "tasks/ray-cluster-amd.dstack.yml",
+    } <= names
     assert len([n for n in names if n.startswith("fleets/")]) >= 3
     result = runner.invoke(app, ["validate", str(REPO_ROOT)])
     assert result.exit_code == 0, result.output
@@ -43,25 +46,43 @@ FLEET = "fleets/broken.dstack.yml"
 
 # (id, file, YAML, the expected line)
 BROKEN = [
-    ("unknown-key", TASK, """
+    (
+        "unknown-key",
+        TASK,
+        """
         type: task
         commands: [echo]
         resourcez:
           gpu: H100:8
-     """, "tasks/broken.dstack.yml: resourcez: dstack does not know the key `resourcez` — remove it or fix its "
-          "spelling (did you mean `resources`?)"),
-    ("bad-enum", TASK, """
+     """,
+        "tasks/broken.dstack.yml: resourcez: dstack does not know the key `resourcez` — remove it or fix its "
+        "spelling (did you mean `resources`?)",
+    ),
+    (
+        "bad-enum",
+        TASK,
+        """
         type: task
         commands: [echo]
         startup_order: head-first
-     """, "tasks/broken.dstack.yml: startup_order: dstack does not accept 'head-first' — set it to 'any', "
-          "'master-first' or 'workers-first'"),
-    ("unknown-type", TASK, """
+     """,
+        "tasks/broken.dstack.yml: startup_order: dstack does not accept 'head-first' — set it to 'any', "
+        "'master-first' or 'workers-first'",
+    ),
+    (
+        "unknown-type",
+        TASK,
+        """
         type: tsk
         commands: [echo]
-     """, "tasks/broken.dstack.yml: type: dstack has no configuration type 'tsk' — use `type: task` (in tasks/) "
-          "or `type: fleet` (in fleets/)"),
-    ("missing-required", FLEET, """
+     """,
+        "tasks/broken.dstack.yml: type: dstack has no configuration type 'tsk' — use `type: task` (in tasks/) "
+        "or `type: fleet` (in fleets/)",
+    ),
+    (
+        "missing-required",
+        FLEET,
+        """
         type: fleet
         placement: cluster
         ssh_config:
@@ -72,50 +93,85 @@ BROKEN = [
               proxy_jump:
                 hostname: bastion
                 identity_file: ~/.ssh/bastion
-     """, "fleets/broken.dstack.yml: ssh_config.hosts[0].proxy_jump.user: `user` is required here — add `user:`"),
-    ("group-name", TASK, """
+     """,
+        "fleets/broken.dstack.yml: ssh_config.hosts[0].proxy_jump.user: `user` is required here — add `user:`",
+    ),
+    (
+        "group-name",
+        TASK,
+        """
         type: task
         startup_order: master-first
         groups:
           - name: Head
             commands: [echo]
-     """, "tasks/broken.dstack.yml: groups[0].name: dstack rejects it: Node group name should match regex "
-          "'^[a-z0-9][a-z0-9-]{0,39}$' — fix the value as dstack says; see dstack's reference for this key"),
-    ("gpu-unparsable", TASK, """
+     """,
+        "tasks/broken.dstack.yml: groups[0].name: dstack rejects it: Node group name should match regex "
+        "'^[a-z0-9][a-z0-9-]{0,39}$' — fix the value as dstack says; see dstack's reference for this key",
+    ),
+    (
+        "gpu-unparsable",
+        TASK,
+        """
         type: task
         commands: [echo]
         resources:
           gpu: 8xH100
-     """, "tasks/broken.dstack.yml: resources.gpu: dstack cannot read this GPU spec (could not convert string to "
-          "float: '8xh100') — write NAME:COUNT or MEMORY:COUNT, e.g. `gpu: H100:8` or `gpu: 80GB..:8`"),
-    ("gpu-count-glued", TASK, """
+     """,
+        "tasks/broken.dstack.yml: resources.gpu: dstack cannot read this GPU spec (could not convert string to "
+        "float: '8xh100') — write NAME:COUNT or MEMORY:COUNT, e.g. `gpu: H100:8` or `gpu: 80GB..:8`",
+    ),
+    (
+        "gpu-count-glued",
+        TASK,
+        """
         type: task
         commands: [echo]
         resources:
           gpu: H100x8
-     """, "tasks/broken.dstack.yml: resources.gpu: dstack reads 'H100x8' as one GPU named 'H100x8', not 8 GPUs — "
-          "write the count as its own token: `gpu: H100:8`"),
-    ("gpu-no-count", TASK, """
+     """,
+        "tasks/broken.dstack.yml: resources.gpu: dstack reads 'H100x8' as one GPU named 'H100x8', not 8 GPUs — "
+        "write the count as its own token: `gpu: H100:8`",
+    ),
+    (
+        "gpu-no-count",
+        TASK,
+        """
         type: task
         commands: [echo]
         resources:
           gpu: H100
-     """, "tasks/broken.dstack.yml: resources.gpu: 'H100' gives no GPU count, which dstack reads as 1 or more GPUs "
-          "— add the count per node, e.g. `gpu: H100:8`"),
-    ("gpu-unknown-name", FLEET, """
+     """,
+        "tasks/broken.dstack.yml: resources.gpu: 'H100' gives no GPU count, which dstack reads as 1 or more GPUs "
+        "— add the count per node, e.g. `gpu: H100:8`",
+    ),
+    (
+        "gpu-unknown-name",
+        FLEET,
+        """
         type: fleet
         nodes: 1
         resources:
           gpu: H1000:8
-     """, "fleets/broken.dstack.yml: resources.gpu: no GPU is named 'H1000', so dstack would find no offers — use "
-          "a GPU name dstack knows, e.g. H100, V100, P100"),
-    ("bad-name", TASK, """
+     """,
+        "fleets/broken.dstack.yml: resources.gpu: no GPU is named 'H1000', so dstack would find no offers — use "
+        "a GPU name dstack knows, e.g. H100, V100, P100",
+    ),
+    (
+        "bad-name",
+        TASK,
+        """
         type: task
         name: Cloudrl_Ray
         commands: [echo]
-     """, "tasks/broken.dstack.yml: name: 'Cloudrl_Ray' is rejected by the dstack server (^[a-z][a-z0-9-]{1,40}$) "
-          "— use lowercase letters, digits and dashes, starting with a letter, e.g. `cloudrl-ray`"),
-    ("fleet-nodes-and-ssh", FLEET, """
+     """,
+        "tasks/broken.dstack.yml: name: 'Cloudrl_Ray' is rejected by the dstack server (^[a-z][a-z0-9-]{1,40}$) "
+        "— use lowercase letters, digits and dashes, starting with a letter, e.g. `cloudrl-ray`",
+    ),
+    (
+        "fleet-nodes-and-ssh",
+        FLEET,
+        """
         type: fleet
         nodes: 2
         placement: cluster
@@ -123,14 +179,24 @@ BROKEN = [
           user: ubuntu
           identity_file: ~/.ssh/id_rsa
           hosts: [10.0.0.1, 10.0.0.2]
-     """, "fleets/broken.dstack.yml: ssh_config: a fleet has either `nodes` (cloud) or `ssh_config` (your hosts), "
-          "not both — remove `nodes` for an SSH fleet, or `ssh_config` for a cloud fleet"),
-    ("fleet-neither", FLEET, """
+     """,
+        "fleets/broken.dstack.yml: ssh_config: a fleet has either `nodes` (cloud) or `ssh_config` (your hosts), "
+        "not both — remove `nodes` for an SSH fleet, or `ssh_config` for a cloud fleet",
+    ),
+    (
+        "fleet-neither",
+        FLEET,
+        """
         type: fleet
         placement: cluster
-     """, "fleets/broken.dstack.yml: nodes: a fleet needs `nodes` (cloud) or `ssh_config` (your hosts) — add "
-          "`nodes: 2` for a cloud fleet or `ssh_config:` with `hosts:` for on-prem"),
-    ("ssh-fleet-cloud-key", FLEET, """
+     """,
+        "fleets/broken.dstack.yml: nodes: a fleet needs `nodes` (cloud) or `ssh_config` (your hosts) — add "
+        "`nodes: 2` for a cloud fleet or `ssh_config:` with `hosts:` for on-prem",
+    ),
+    (
+        "ssh-fleet-cloud-key",
+        FLEET,
+        """
         type: fleet
         placement: cluster
         spot_policy: auto
@@ -138,15 +204,25 @@ BROKEN = [
           user: ubuntu
           identity_file: ~/.ssh/id_rsa
           hosts: [10.0.0.1, 10.0.0.2]
-     """, "fleets/broken.dstack.yml: spot_policy: is a cloud fleet key; the dstack server rejects it on an SSH "
-          "fleet — remove it: SSH fleets use what the hosts have"),
-    ("cloud-fleet-ssh-key", FLEET, """
+     """,
+        "fleets/broken.dstack.yml: spot_policy: is a cloud fleet key; the dstack server rejects it on an SSH "
+        "fleet — remove it: SSH fleets use what the hosts have",
+    ),
+    (
+        "cloud-fleet-ssh-key",
+        FLEET,
+        """
         type: fleet
         nodes: 1
         env: [A=1]
-     """, "fleets/broken.dstack.yml: env: is an SSH fleet key; the dstack server rejects it on a cloud fleet — "
-          "remove it (set env in the task instead)"),
-    ("ssh-host-without-user", FLEET, """
+     """,
+        "fleets/broken.dstack.yml: env: is an SSH fleet key; the dstack server rejects it on a cloud fleet — "
+        "remove it (set env in the task instead)",
+    ),
+    (
+        "ssh-host-without-user",
+        FLEET,
+        """
         type: fleet
         placement: cluster
         ssh_config:
@@ -155,43 +231,75 @@ BROKEN = [
             - 10.0.0.1
             - hostname: 10.0.0.2
               user: ubuntu
-     """, "fleets/broken.dstack.yml: ssh_config.hosts[0]: no SSH user for host 10.0.0.1 — set `user:` under "
-          "ssh_config (all hosts) or on the host"),
-    ("fleet-without-cluster-placement", FLEET, """
+     """,
+        "fleets/broken.dstack.yml: ssh_config.hosts[0]: no SSH user for host 10.0.0.1 — set `user:` under "
+        "ssh_config (all hosts) or on the host",
+    ),
+    (
+        "fleet-without-cluster-placement",
+        FLEET,
+        """
         type: fleet
         nodes: 2
-     """, "fleets/broken.dstack.yml: placement: dstack runs multi-node tasks only on fleets with cluster "
-          "placement — set `placement: cluster`"),
-    ("shipped-file-missing", TASK, """
+     """,
+        "fleets/broken.dstack.yml: placement: dstack runs multi-node tasks only on fleets with cluster "
+        "placement — set `placement: cluster`",
+    ),
+    (
+        "shipped-file-missing",
+        TASK,
+        """
         type: task
         files: [missing.sh:tasks/missing.sh]
         commands: [bash tasks/missing.sh]
-     """, "tasks/broken.dstack.yml: files[0]: ships missing.sh, which does not exist — create it, or fix the path "
-          "(relative to tasks/)"),
-    ("dashboard-on-all-addresses", TASK, """
+     """,
+        "tasks/broken.dstack.yml: files[0]: ships missing.sh, which does not exist — create it, or fix the path "
+        "(relative to tasks/)",
+    ),
+    (
+        "dashboard-on-all-addresses",
+        TASK,
+        """
         type: task
         nodes: 2
         startup_order: master-first
         commands:
           - ray start --head --dashboard-host=0.0.0.0 --block
-     """, "tasks/broken.dstack.yml: commands[0]: the Ray dashboard listens on 0.0.0.0: anyone who reaches the node "
-          "can submit jobs — use --dashboard-host=127.0.0.1; dstack forwards the port through its SSH tunnel"),
-    ("unpinned-ray", TASK, """
+     """,
+        "tasks/broken.dstack.yml: commands[0]: the Ray dashboard listens on 0.0.0.0: anyone who reaches the node "
+        "can submit jobs — use --dashboard-host=127.0.0.1; dstack forwards the port through its SSH tunnel",
+    ),
+    (
+        "unpinned-ray",
+        TASK,
+        """
         type: task
         commands:
           - pip install "ray[default]" && ray start --head --block
-     """, f"tasks/broken.dstack.yml: commands[0]: installs 'ray[default]', not cloudrl's Ray {RAY_VERSION} — pin it: "
-         f"'ray[default]=={RAY_VERSION}'"),
-    ("fleet-in-tasks", TASK, """
+     """,
+        f"tasks/broken.dstack.yml: commands[0]: installs 'ray[default]', not cloudrl's Ray {RAY_VERSION} — pin it: "
+        f"'ray[default]=={RAY_VERSION}'",
+    ),
+    (
+        "fleet-in-tasks",
+        TASK,
+        """
         type: fleet
         nodes: 1
-     """, "tasks/broken.dstack.yml: type: is `fleet` but tasks/ holds `type: task` files — move the file or set "
-          "`type: task`"),
-    ("not-yaml", TASK, """
+     """,
+        "tasks/broken.dstack.yml: type: is `fleet` but tasks/ holds `type: task` files — move the file or set "
+        "`type: task`",
+    ),
+    (
+        "not-yaml",
+        TASK,
+        """
         type: task
         commands: [echo
-     """, "tasks/broken.dstack.yml: -: is not valid YAML at line 3, column 1 (expected ',' or ']', but got "
-          "'<stream end>') — fix the YAML syntax there"),
+     """,
+        "tasks/broken.dstack.yml: -: is not valid YAML at line 3, column 1 (expected ',' or ']', but got "
+        "'<stream end>') — fix the YAML syntax there",
+    ),
 ]
 
 
@@ -223,12 +331,17 @@ def copy_bundle(root: Path) -> None:
 def test_a_bootstrap_with_another_ray_pin_fails_once_for_all_tasks_that_ship_it(tmp_path):
     copy_bundle(tmp_path)
     script = tmp_path / "tasks" / "ray-bootstrap.sh"
-    script.write_text(script.read_text().replace(f'CLOUDRL_RAY_VERSION="{RAY_VERSION}"',
-                                                 'CLOUDRL_RAY_VERSION="2.59.0"'))
-    assert [p for p in validate_bundle(tmp_path) if not p.warning] == [Problem(
-        "tasks/ray-bootstrap.sh", "CLOUDRL_RAY_VERSION",
-        f"pins Ray 2.59.0 but cloudrl pins {RAY_VERSION}: the client on your machine would not match the cluster",
-        f'set CLOUDRL_RAY_VERSION="{RAY_VERSION}" (cli/pins.py)')]
+    script.write_text(
+        script.read_text().replace(f'CLOUDRL_RAY_VERSION="{RAY_VERSION}"', 'CLOUDRL_RAY_VERSION="2.59.0"')
+    )
+    assert [p for p in validate_bundle(tmp_path) if not p.warning] == [
+        Problem(
+            "tasks/ray-bootstrap.sh",
+            "CLOUDRL_RAY_VERSION",
+            f"pins Ray 2.59.0 but cloudrl pins {RAY_VERSION}: the client on your machine would not match the cluster",
+            f'set CLOUDRL_RAY_VERSION="{RAY_VERSION}" (cli/pins.py)',
+        )
+    ]
     result = runner.invoke(app, ["validate", str(tmp_path)])
     assert result.exit_code == 1
     assert result.stdout.startswith("tasks/ray-bootstrap.sh: CLOUDRL_RAY_VERSION: pins Ray 2.59.0")
@@ -240,7 +353,8 @@ def test_a_bootstrap_without_a_ray_pin_fails(tmp_path):
     script.write_text(script.read_text().replace(f'CLOUDRL_RAY_VERSION="{RAY_VERSION}"\n', ""))
     assert [str(p) for p in validate_bundle(tmp_path) if not p.warning] == [
         f"tasks/ray-bootstrap.sh: CLOUDRL_RAY_VERSION: starts Ray without cloudrl's version pin — add "
-        f'CLOUDRL_RAY_VERSION="{RAY_VERSION}" and install ray[default]==that']
+        f'CLOUDRL_RAY_VERSION="{RAY_VERSION}" and install ray[default]==that'
+    ]
 
 
 def test_a_bootstrap_that_opens_the_dashboard_fails_with_its_line_number(tmp_path):
@@ -251,14 +365,17 @@ def test_a_bootstrap_that_opens_the_dashboard_fails_with_its_line_number(tmp_pat
     number = next(n for n, line in enumerate(text.splitlines(), 1) if "--dashboard-host=0.0.0.0" in line)
     assert [str(p) for p in validate_bundle(tmp_path) if not p.warning] == [
         f"tasks/ray-bootstrap.sh: line {number}: the Ray dashboard listens on 0.0.0.0: anyone who reaches the "
-        f"node can submit jobs — use --dashboard-host=127.0.0.1; dstack forwards the port through its SSH tunnel"]
+        f"node can submit jobs — use --dashboard-host=127.0.0.1; dstack forwards the port through its SSH tunnel"
+    ]
 
 
 def test_a_directory_without_a_bundle_is_one_red_line(tmp_path):
     result = runner.invoke(app, ["validate", str(tmp_path)])
     assert result.exit_code == 1
-    assert result.stderr.strip() == (f"error: no fleets/ or tasks/ in {tmp_path.resolve()}: run `cloudrl validate` "
-                                     f"in the cloudrl checkout or pass its path (cloudrl validate PATH)")
+    assert result.stderr.strip() == (
+        f"error: no fleets/ or tasks/ in {tmp_path.resolve()}: run `cloudrl validate` "
+        f"in the cloudrl checkout or pass its path (cloudrl validate PATH)"
+    )
 
 
 def test_without_dstack_validate_says_how_to_install_it(tmp_path, monkeypatch):
@@ -268,5 +385,7 @@ def test_without_dstack_validate_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "dstack", None)
     result = runner.invoke(app, ["validate", str(tmp_path)])
     assert result.exit_code == 1
-    assert result.stderr.strip() == ("error: dstack is not installed: pip install 'cloudrl[dstack]' "
-                                     "(`cloudrl validate` runs dstack's own configuration parser)")
+    assert result.stderr.strip() == (
+        "error: dstack is not installed: pip install 'cloudrl[dstack]' "
+        "(`cloudrl validate` runs dstack's own configuration parser)"
+    )

@@ -12,11 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from cloudrl.trainer import checkpoint
 from cloudrl.trainer.config import load_config
-from cloudrl.trainer.models import resolve_path
-
+from cloudrl.trainer.inputs.models import resolve_path
+from cloudrl.trainer.state import checkpoint
 from conftest import REPO
 
 
@@ -34,7 +32,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
 
 def _trained_worker(cfg, model_path):
     """One unsharded policy rank in this process, after one optimizer step (so its optimizer has state)."""
-    from cloudrl.trainer.workers import PolicyWorker
+    from cloudrl.trainer.roles.workers import PolicyWorker
 
     worker = PolicyWorker(cfg.to_dict(), model_path)
     worker.start_training()
@@ -62,7 +60,7 @@ def test_a_node_without_the_run_dir_ships_its_shard_files(tmp_path):
 
     (step / "actor.json").write_text(json.dumps(scheduler))
 
-    from cloudrl.trainer.workers import PolicyWorker
+    from cloudrl.trainer.roles.workers import PolicyWorker
 
     fresh = PolicyWorker(cfg.to_dict(), model_path)
     fresh.start_training()
@@ -74,13 +72,14 @@ def test_a_node_without_the_run_dir_ships_its_shard_files(tmp_path):
     (again / "actor.json").write_text(json.dumps(scheduler))
     _assert_same_state(checkpoint.read_full(step, "actor"), checkpoint.read_full(again, "actor"))
     assert checkpoint.model_shapes(step / "actor" / ".metadata")["lm_head.weight"] == tuple(
-        worker.model.lm_head.weight.shape)
+        worker.model.lm_head.weight.shape
+    )
 
 
 SLOW_SAVE = """
 import sys, time
 from pathlib import Path
-from cloudrl.trainer import checkpoint
+from cloudrl.trainer.state import checkpoint
 
 def write_shards(tmp: Path):
     (tmp / "actor").mkdir()
@@ -115,15 +114,22 @@ def test_sharded_checkpoint_reshards_between_two_ranks_and_one(ray_local, tmp_pa
     saved again, then loaded back at W=2 and saved again, weights, optimizer state and scheduler are
     bit-identical to the original."""
     import ray
+    from cloudrl.trainer.algo.batch import update_shards
+    from cloudrl.trainer.state.shards import load_roles, save_roles
     from ray.util import remove_placement_group
-
-    from cloudrl.trainer.batch import update_shards
-    from cloudrl.trainer.shards import load_roles, save_roles
     from test_multinode import _fixed_batch, _policy_group
 
-    overrides = ["actor.mini_batch_size=16", "actor.micro_batch_size=8", "actor.lr=1e-2", "data.train_batch_size=8",
-                 "rollout.n=2", "model.sft_warmup_steps=20", "actor.fsdp=true", "critic.mini_batch_size=16",
-                 "critic.micro_batch_size=8"]
+    overrides = [
+        "actor.mini_batch_size=16",
+        "actor.micro_batch_size=8",
+        "actor.lr=1e-2",
+        "data.train_batch_size=8",
+        "rollout.n=2",
+        "model.sft_warmup_steps=20",
+        "actor.fsdp=true",
+        "critic.mini_batch_size=16",
+        "critic.micro_batch_size=8",
+    ]
     model_path = resolve_path(load_config("local", overrides).model.path, load_config("local", overrides))
 
     def with_group(world: int, body):
@@ -136,8 +142,15 @@ def test_sharded_checkpoint_reshards_between_two_ranks_and_one(ray_local, tmp_pa
             remove_placement_group(pg)
 
     def save(cfg, roles, run_dir: Path, step: int) -> Path:
-        return checkpoint.save(str(run_dir), step, {}, {"step": step}, "", keep_last=2,
-                               write_shards=lambda tmp: save_roles(roles, tmp, 120))
+        return checkpoint.save(
+            str(run_dir),
+            step,
+            {},
+            {"step": step},
+            "",
+            keep_last=2,
+            write_shards=lambda tmp: save_roles(roles, tmp, 120),
+        )
 
     def train_and_save(cfg, roles):
         batch = _fixed_batch(cfg, 16)
@@ -149,6 +162,7 @@ def test_sharded_checkpoint_reshards_between_two_ranks_and_one(ray_local, tmp_pa
         def body(cfg, roles):
             load_roles(roles, checkpoint.load(source, ["actor"]), 120)
             return save(cfg, roles, target, 1)
+
         return body
 
     original = with_group(2, train_and_save)

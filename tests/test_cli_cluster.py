@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import requests
 import typer.testing
-
 from cli_helpers import (
     CLOUDRL,
     INTERRUPTIBLE,
@@ -93,16 +92,20 @@ def test_local_up_joined_two_nodes(cluster: Cluster) -> None:
     assert "already running" in again.stderr and "cloudrl local down" in again.stderr
 
 
-@pytest.mark.parametrize(("cores", "nodes", "expected"), [
-    (2, 2, 2),  # the cores split: 1 each, raised to the floor of 2
-    (6, 2, 3),
-    (16, 2, 8),
-    (64, 2, 32),
-    (64, 3, 21),  # a remainder core stays unassigned
-    (2, 1, 4),  # a lone node still holds the local preset's 4 CPUs
-])
-def test_default_cpus_per_node_splits_the_cores(cores: int, nodes: int, expected: int,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("cores", "nodes", "expected"),
+    [
+        (2, 2, 2),  # the cores split: 1 each, raised to the floor of 2
+        (6, 2, 3),
+        (16, 2, 8),
+        (64, 2, 32),
+        (64, 3, 21),  # a remainder core stays unassigned
+        (2, 1, 4),  # a lone node still holds the local preset's 4 CPUs
+    ],
+)
+def test_default_cpus_per_node_splits_the_cores(
+    cores: int, nodes: int, expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The rule the follow test below relies on, on machines other than this one (no cluster started)."""
     assert local_cluster.local_preset_cpus() == 4  # the last row's floor
     monkeypatch.setattr(local_cluster.os, "cpu_count", lambda: cores)
@@ -113,8 +116,20 @@ def test_submit_follow_status_logs_list(cluster: Cluster, tmp_path: Path, monkey
     monkeypatch.setenv("CLOUDRL_TEST_TOKEN", "value-that-must-not-be-printed")
     run_dir = tmp_path / "run"
     job = "e2e-follow"
-    result = invoke(["submit", "--address", cluster.url, "--name", job, "--follow", "--env", "CLOUDRL_TEST_TOKEN",
-                     *SHORT_RUN, f"trainer.run_dir={run_dir}"])
+    result = invoke(
+        [
+            "submit",
+            "--address",
+            cluster.url,
+            "--name",
+            job,
+            "--follow",
+            "--env",
+            "CLOUDRL_TEST_TOKEN",
+            *SHORT_RUN,
+            f"trainer.run_dir={run_dir}",
+        ]
+    )
     out = result.output
     assert result.exit_code == 0, out
     # `local up` ran on this machine, so its nodes got this machine's default (see the rule's own test).
@@ -149,8 +164,9 @@ def test_submit_follow_status_logs_list(cluster: Cluster, tmp_path: Path, monkey
     header, *rows = listed.output.splitlines()
     assert header.split() == ["ID", "STATUS", "START", "DURATION", "PRESET"]
     row = next(r for r in rows if r.startswith(job))
-    assert "SUCCEEDED" in row and row.rstrip().endswith(f"local trainer.total_steps=2 model.sft_warmup_steps=0 "
-                                                         f"trainer.run_dir={run_dir}")
+    assert "SUCCEEDED" in row and row.rstrip().endswith(
+        f"local trainer.total_steps=2 model.sft_warmup_steps=0 trainer.run_dir={run_dir}"
+    )
 
     # --local reaches the same cluster through the state file.
     monkeypatch.setenv("CLOUDRL_CACHE", str(cluster.cache))
@@ -167,10 +183,13 @@ def test_job_runs_the_shipped_trainer_copy(cluster: Cluster, tmp_path: Path) -> 
     assert req.preset_arg == "mypreset"
     client = ClusterClient(resolve_address(cluster.url))
     package = submit_module.stage_package(tmp_path / "stage", req.preset_file)
-    probe = ("import cloudrl.trainer, cloudrl.trainer.config as c; print('FILE', cloudrl.trainer.__file__); "
-             "print('PRESET', c.load_config('mypreset').trainer.total_steps)")
-    job = client.jobs.submit_job(entrypoint=f'python3 -c "{probe}"', submission_id=req.submission_id,
-                               runtime_env=req.runtime_env(package, {}))
+    probe = (
+        "import cloudrl.trainer, cloudrl.trainer.config as c; print('FILE', cloudrl.trainer.__file__); "
+        "print('PRESET', c.load_config('mypreset').trainer.total_steps)"
+    )
+    job = client.jobs.submit_job(
+        entrypoint=f'python3 -c "{probe}"', submission_id=req.submission_id, runtime_env=req.runtime_env(package, {})
+    )
     assert wait_for_job_status(cluster.url, job, {"SUCCEEDED", "FAILED"}, 60) == "SUCCEEDED"
     logs = client.jobs.get_job_logs(job)
     shipped = next(line.split(" ", 1)[1] for line in logs.splitlines() if line.startswith("FILE "))
@@ -183,10 +202,25 @@ def test_ctrl_c_detaches_then_stop_reports_stopped(cluster: Cluster, tmp_path: P
     job = "e2e-stop"
     try:
         proc = subprocess.Popen(
-            [CLOUDRL, "submit", "--address", cluster.url, "--name", job, "--follow",
-             "trainer.total_steps=500", "model.sft_warmup_steps=0", f"trainer.run_dir={tmp_path / 'run'}"],
-            env=cluster.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            **INTERRUPTIBLE)
+            [
+                CLOUDRL,
+                "submit",
+                "--address",
+                cluster.url,
+                "--name",
+                job,
+                "--follow",
+                "trainer.total_steps=500",
+                "model.sft_warmup_steps=0",
+                f"trainer.run_dir={tmp_path / 'run'}",
+            ],
+            env=cluster.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **INTERRUPTIBLE,
+        )
         with stop_on_exit(proc):
             lines: queue.Queue[str] = queue.Queue()
             threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
@@ -219,11 +253,23 @@ def test_ctrl_c_detaches_then_stop_reports_stopped(cluster: Cluster, tmp_path: P
 
 def test_follow_of_a_failing_job_exits_1_with_the_trainers_error(cluster: Cluster, tmp_path: Path) -> None:
     job = "e2e-fails"
-    result = runner.invoke(app, ["submit", "--address", cluster.url, "--name", job, "--follow",
-                                 "model.path=/nonexistent/model", f"trainer.run_dir={tmp_path}"])
+    result = runner.invoke(
+        app,
+        [
+            "submit",
+            "--address",
+            cluster.url,
+            "--name",
+            job,
+            "--follow",
+            "model.path=/nonexistent/model",
+            f"trainer.run_dir={tmp_path}",
+        ],
+    )
     assert result.exit_code == 1
-    assert result.stderr.startswith(f"error: job {job} FAILED: error: cannot load the tokenizer from "
-                                    f"'/nonexistent/model'")
+    assert result.stderr.startswith(
+        f"error: job {job} FAILED: error: cannot load the tokenizer from '/nonexistent/model'"
+    )
     assert f"(full logs: cloudrl logs {job} --address {cluster.url})" in result.stderr
     # `status` and `logs --follow` end with the same line: the trainer's own error, not Ray's exit-code message.
     status = invoke(["status", job, "--address", cluster.url])
@@ -284,23 +330,54 @@ def test_dashboard_over_ssh(cluster: Cluster, tmp_path: Path) -> None:
         # No terminal and no key: ssh must fail at once instead of waiting on a password prompt.
         no_key = [o for o in options if not o.startswith(("IdentityFile", "IdentitiesOnly"))]
         no_key += ["IdentityFile=/dev/null", "IdentitiesOnly=yes"]
-        denied = run_cli(["dashboard", "--ssh", f"{ssh_user()}@127.0.0.1", "--remote-port", remote_port,
-                          "--port", "0", *[a for o in no_key for a in ("-o", o)]], cluster.env, timeout=60)
+        denied = run_cli(
+            [
+                "dashboard",
+                "--ssh",
+                f"{ssh_user()}@127.0.0.1",
+                "--remote-port",
+                remote_port,
+                "--port",
+                "0",
+                *[a for o in no_key for a in ("-o", o)],
+            ],
+            cluster.env,
+            timeout=60,
+        )
         assert denied.returncode == 1
         assert "Permission denied" in denied.stderr and "no terminal to type a password" in denied.stderr
 
-        args = [CLOUDRL, "dashboard", "--ssh", f"{ssh_user()}@127.0.0.1", "--remote-port", remote_port,
-                "--port", "0", *[a for o in options for a in ("-o", o)]]
-        proc = subprocess.Popen(args, env=cluster.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, **INTERRUPTIBLE)
+        args = [
+            CLOUDRL,
+            "dashboard",
+            "--ssh",
+            f"{ssh_user()}@127.0.0.1",
+            "--remote-port",
+            remote_port,
+            "--port",
+            "0",
+            *[a for o in options for a in ("-o", o)],
+        ]
+        proc = subprocess.Popen(
+            args,
+            env=cluster.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **INTERRUPTIBLE,
+        )
         with stop_on_exit(proc):
             first = proc.stdout.readline()  # the URL line comes once the dashboard answers through ssh
             assert first.startswith(f"Ray dashboard of {ssh_user()}@127.0.0.1: http://127.0.0.1:"), (
-                first + proc.stderr.read() if proc.poll() is not None else first)
+                first + proc.stderr.read() if proc.poll() is not None else first
+            )
             url = first.split(": ", 1)[1].split()[0]
             assert url != cluster.url
-            assert requests.get(f"{url}/api/version", timeout=5).json()["ray_version"] == \
-                requests.get(f"{cluster.url}/api/version", timeout=5).json()["ray_version"]
+            assert (
+                requests.get(f"{url}/api/version", timeout=5).json()["ray_version"]
+                == requests.get(f"{cluster.url}/api/version", timeout=5).json()["ray_version"]
+            )
             listed = run_cli(["list", "--address", url], cluster.env, timeout=60)
             assert listed.returncode == 0 and "e2e-follow" in listed.stdout
             send_sigint(proc)

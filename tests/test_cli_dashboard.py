@@ -15,19 +15,23 @@ import typer.testing
 import yaml
 
 dstack_api = pytest.importorskip("dstack.api", reason="dstack is an optional dependency: pip install 'cloudrl[dstack]'")
-from dstack._internal.core.models.configurations import PortMapping  # noqa: E402
-
 from cli_helpers import free_port  # noqa: E402
 from cloudrl.cli import dashboard  # noqa: E402
 from cloudrl.cli.app import app  # noqa: E402
+from dstack._internal.core.models.configurations import PortMapping  # noqa: E402
 
 runner = typer.testing.CliRunner()
 REPO = Path(__file__).resolve().parents[1]
 
 
 class FakeRun:
-    def __init__(self, name: str, status=dstack_api.RunStatus.RUNNING, held: dict[int, int] | None = None,
-                 attach_error: Exception | None = None):
+    def __init__(
+        self,
+        name: str,
+        status=dstack_api.RunStatus.RUNNING,
+        held: dict[int, int] | None = None,
+        attach_error: Exception | None = None,
+    ):
         self.name, self.status = name, status
         self.held = held  # ports of a tunnel another dstack process already holds
         self.attach_error = attach_error
@@ -94,8 +98,9 @@ def test_attaches_to_the_default_run_on_localhost(fake_dstack) -> None:
     result = runner.invoke(app, ["dashboard", "--port", str(port)])
     assert result.exit_code == 0, result.output
     assert client.asked == [task_run_name()]
-    assert run.attach_calls == [{"bind_address": "127.0.0.1",
-                                 "ports_overrides": [PortMapping(local_port=port, container_port=8265)]}]
+    assert run.attach_calls == [
+        {"bind_address": "127.0.0.1", "ports_overrides": [PortMapping(local_port=port, container_port=8265)]}
+    ]
     assert f"Ray dashboard of dstack run {task_run_name()}: http://127.0.0.1:{port}" in result.output
     assert f"cloudrl submit --address http://127.0.0.1:{port}" in result.output
     assert "forwarding until Ctrl+C" in result.output

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import typer.main
-
 from cli_helpers import cli_env, local_state, pids_alive, process_tree, run_cli
 from cloudrl.cli.app import app
 
@@ -35,8 +34,12 @@ def blocks(kind: str | None = None) -> list[tuple[str, str]]:
 
 
 def cloudrl_lines() -> list[str]:
-    return [line.split("  #")[0].strip() for _, body in blocks() for line in body.splitlines()
-            if line.strip().startswith("cloudrl ")]
+    return [
+        line.split("  #")[0].strip()
+        for _, body in blocks()
+        for line in body.splitlines()
+        if line.strip().startswith("cloudrl ")
+    ]
 
 
 def parse(args: list[str]) -> None:
@@ -59,16 +62,27 @@ def test_documented_command_parses(line: str) -> None:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("name,body", blocks("test") + [
-    pytest.param(n, b, marks=pytest.mark.skipif(os.environ.get("CLOUDRL_RUN_DOC_CI") != "1",
-                                                reason="minutes long: .ci/run sets CLOUDRL_RUN_DOC_CI=1"))
-    for n, b in blocks("ci")])
+@pytest.mark.parametrize(
+    "name,body",
+    blocks("test")
+    + [
+        pytest.param(
+            n,
+            b,
+            marks=pytest.mark.skipif(
+                os.environ.get("CLOUDRL_RUN_DOC_CI") != "1", reason="minutes long: .ci/run sets CLOUDRL_RUN_DOC_CI=1"
+            ),
+        )
+        for n, b in blocks("ci")
+    ],
+)
 def test_documented_block_runs(name: str, body: str, tmp_path: Path) -> None:
     env = cli_env(tmp_path / "cache")
     pids: list[int] = []
     try:
-        result = subprocess.run(["bash", "-euo", "pipefail", "-c", body], env=env, cwd=tmp_path,
-                                capture_output=True, text=True, timeout=900)
+        result = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", body], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900
+        )
         assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         if "submit --local --follow" in body:
             assert "starting one" in result.stdout and "SUCCEEDED" in result.stdout

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cli_helpers import CLOUDRL, cli_env, free_port, local_state, pids_alive, process_tree, run_cli, stop_on_exit
 
 pytestmark = pytest.mark.ray
@@ -34,12 +33,27 @@ def test_follow_resubmits_after_the_cluster_restarts(tmp_path: Path) -> None:
     started: list[int] = []
     try:
         started += _up(env, port)
-        cmd = [CLOUDRL, "submit", "--local", "--follow", "--reconnect-wait", "240", "--name", "restarted",
-               "trainer.total_steps=16", "trainer.save_every=2", "trainer.keep_last=3", "trainer.val_every=0",
-               "model.sft_warmup_steps=0", "trainer.loggers=[jsonl]", "trainer.export_hf=false",
-               f"trainer.run_dir={run_dir}"]
-        with stop_on_exit(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           text=True)) as follow:
+        cmd = [
+            CLOUDRL,
+            "submit",
+            "--local",
+            "--follow",
+            "--reconnect-wait",
+            "240",
+            "--name",
+            "restarted",
+            "trainer.total_steps=16",
+            "trainer.save_every=2",
+            "trainer.keep_last=3",
+            "trainer.val_every=0",
+            "model.sft_warmup_steps=0",
+            "trainer.loggers=[jsonl]",
+            "trainer.export_hf=false",
+            f"trainer.run_dir={run_dir}",
+        ]
+        with stop_on_exit(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        ) as follow:
             deadline = time.monotonic() + 240
             while not (run_dir / "checkpoints" / "step_000004").exists():
                 assert follow.poll() is None and time.monotonic() < deadline, "no checkpoint at step 4"

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import typer.main
 import typer.testing
-
 from cli_helpers import cli_env, free_port, local_state, processes_with_env, run_cli, silent_server
 from cloudrl.cli import jobs, local_cluster, ray_api
 from cloudrl.cli import submit as sub
@@ -57,8 +56,9 @@ def test_config_error_is_one_red_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CLOUDRL_DEBUG", raising=False)
     result = runner.invoke(app, ["submit", "--dry-run", "actor.lrr=1"])
     assert result.exit_code == 1
-    assert result.stderr.strip().splitlines() == ["error: unknown config key 'actor.lrr' (command line): "
-                                                  "did you mean actor.lr?"]
+    assert result.stderr.strip().splitlines() == [
+        "error: unknown config key 'actor.lrr' (command line): did you mean actor.lr?"
+    ]
     assert "Traceback" not in result.output
 
 
@@ -124,8 +124,9 @@ def test_unreachable_dashboard_fails_fast_with_the_fix() -> None:
 def test_dry_run_prints_config_and_request_without_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MY_SECRET", "hunter2")
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: --dry-run must not try
-    result = runner.invoke(app, ["submit", "--dry-run", "--address", closed, "--name", "dry", "--env", "MY_SECRET",
-                                 "algorithm.name=grpo"])
+    result = runner.invoke(
+        app, ["submit", "--dry-run", "--address", closed, "--name", "dry", "--env", "MY_SECRET", "algorithm.name=grpo"]
+    )
     assert result.exit_code == 0, result.output
     assert "  name: grpo" in result.output  # the resolved config
     assert "entrypoint: python3 -m cloudrl.trainer --preset local algorithm.name=grpo" in result.output
@@ -177,15 +178,19 @@ def test_runtime_env_ships_the_package_and_named_values() -> None:
 
 
 def test_latest_metrics_reads_the_trainer_lines() -> None:
-    logs = ("cloudrl trainer, resolved config:\nstep 0/2 [..........] | val/reward_mean=0\n"
-            "step 1/2 [#####.....] | rollout/reward_mean=0.1 | 0.7 s/step\n"
-            "step 2/2 [##########] | rollout/reward_mean=0.2 | 0.4 s/step\n"
-            "summary:\n  steps:            2\n  metrics:          /x/metrics.jsonl\n\nbye\n")
+    logs = (
+        "cloudrl trainer, resolved config:\nstep 0/2 [..........] | val/reward_mean=0\n"
+        "step 1/2 [#####.....] | rollout/reward_mean=0.1 | 0.7 s/step\n"
+        "step 2/2 [##########] | rollout/reward_mean=0.2 | 0.4 s/step\n"
+        "summary:\n  steps:            2\n  metrics:          /x/metrics.jsonl\n\nbye\n"
+    )
     step, summary = jobs.latest_metrics(logs)
     assert step == "step 2/2 [##########] | rollout/reward_mean=0.2 | 0.4 s/step"
     assert summary == ["summary:", "  steps:            2", "  metrics:          /x/metrics.jsonl"]
     assert jobs.latest_metrics("Running entrypoint\n") == (None, [])
-    assert jobs.last_error_line("x\nerror: the model is missing: fix it\ntrace") == "error: the model is missing: fix it"
+    assert (
+        jobs.last_error_line("x\nerror: the model is missing: fix it\ntrace") == "error: the model is missing: fix it"
+    )
 
 
 def test_console_script_prints_red_line_and_exits_1(tmp_path: Path) -> None:
@@ -247,9 +252,8 @@ def test_the_private_ray_hook_is_where_ray_compat_expects_it():
 def test_the_typer_internals_typer_compat_relies_on():
     """cli/typer_compat.py overrides Click's group hooks and catches Typer's usage errors."""
     import typer
-    from typer.core import TyperGroup
-
     from cloudrl.cli.typer_compat import OneLineErrors
+    from typer.core import TyperGroup
 
     for name in ("make_context", "invoke"):
         assert name in vars(OneLineErrors) and callable(getattr(TyperGroup, name)), name
@@ -268,6 +272,7 @@ def test_the_bootstrap_installs_what_the_trainer_needs_beyond_the_image():
     """pyproject.toml lists the trainer's dependencies; the bootstrap installs those a CUDA torch +
     vLLM image lacks. A dependency added to one and not the other fails here."""
     import re
+
     import tomllib
 
     repo = Path(__file__).resolve().parents[1]

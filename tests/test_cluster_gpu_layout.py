@@ -20,13 +20,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, local_cluster, run_trainer
 
 pytestmark = pytest.mark.ray
 
-TINY = ["model.path=builtin:tiny", "data.train_files=builtin:arithmetic", "data.val_files=", "reward.function=arithmetic",
-        "data.max_prompt_length=64", "rollout.max_new_tokens=4", "trainer.loggers=[jsonl]"]
+TINY = [
+    "model.path=builtin:tiny",
+    "data.train_files=builtin:arithmetic",
+    "data.val_files=",
+    "reward.function=arithmetic",
+    "data.max_prompt_length=64",
+    "rollout.max_new_tokens=4",
+    "trainer.loggers=[jsonl]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +45,12 @@ def gpu_nodes(private_cache):
 LAYOUTS = {
     "gsm8k-7b": [],
     "actor-on-2-nodes": ["actor.nodes=2", "rollout.num_engines=2"],
-    "colocate-all": ["placement.colocate_all=true", "actor.gpus_per_node=8", "critic.gpus_per_node=8",
-                     "rollout.num_engines=4"],
+    "colocate-all": [
+        "placement.colocate_all=true",
+        "actor.gpus_per_node=8",
+        "critic.gpus_per_node=8",
+        "rollout.num_engines=4",
+    ],
     "colocate-critic-reward": ["placement.colocate_critic_reward=true", "reward.model_path=local/reward-model"],
 }
 
@@ -50,8 +60,14 @@ def layouts(gpu_nodes):
     """Every layout of LAYOUTS placed once, with probes: {name: {role: [worker, ...]}}."""
     argv = [["--preset", "gsm8k-7b", *overrides] for overrides in LAYOUTS.values()]
     env = {**os.environ, "RAY_ADDRESS": gpu_nodes["gcs_address"]}
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "placement_probe.py"), json.dumps(argv)],
-                            capture_output=True, text=True, env=env, timeout=400, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "placement_probe.py"), json.dumps(argv)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=400,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("LAYOUTS "))
     return dict(zip(LAYOUTS, json.loads(line.removeprefix("LAYOUTS "))))
@@ -95,7 +111,7 @@ def test_colocate_all_puts_every_role_on_the_actors_gpus(layouts):
     # Engine e (tensor_parallel_size=2) sees exactly actor ranks 2e and 2e+1's GPUs, on their node:
     # what CUDA IPC weight sync needs.
     for e in layout["rollout"]:
-        pair = actor[2 * e["rank"]: 2 * e["rank"] + 2]
+        pair = actor[2 * e["rank"] : 2 * e["rank"] + 2]
         assert e["node_id"] == pair[0]["node_id"] == pair[1]["node_id"]
         assert e["gpus"] == pair[0]["gpus"] + pair[1]["gpus"] and e["ray_gpus"] == [], (e, pair)
     assert all(w["gpus"] == [] for w in layout["reward"])
@@ -115,14 +131,25 @@ def test_gsm8k_7b_layout_trains_on_the_rehearsal_cluster(gpu_nodes, tmp_path):
     """The shipped GPU preset, 2 PPO steps on 2 nodes x 8 logical GPUs: 4 actor ranks and 2 critic ranks
     sharded with FSDP2 (gloo) in bf16 mixed precision over fp32 master weights, 4 rollout engines with 2
     GPUs each, the reference in the actor's processes; checkpoint and HF export gathered from the shards."""
-    overrides = TINY + [f"trainer.run_dir={tmp_path}", "trainer.total_steps=2", "trainer.save_every=0",
-                        "trainer.val_every=0", "data.train_batch_size=8", "rollout.n=2",
-                        "rollout.engine=hf", "rollout.tensor_parallel_size=1", "rollout.gpus_per_engine=2",
-                        "actor.mini_batch_size=16", "critic.mini_batch_size=16",
-                        "actor.cpus_per_worker=1", "critic.cpus_per_worker=1", "model.sft_warmup_steps=20",
-                        "actor.lr=1e-3", "critic.lr=1e-3"]
-    result = run_trainer("--preset", "gsm8k-7b", *overrides, env={"RAY_ADDRESS": gpu_nodes["gcs_address"]},
-                         timeout=540)
+    overrides = TINY + [
+        f"trainer.run_dir={tmp_path}",
+        "trainer.total_steps=2",
+        "trainer.save_every=0",
+        "trainer.val_every=0",
+        "data.train_batch_size=8",
+        "rollout.n=2",
+        "rollout.engine=hf",
+        "rollout.tensor_parallel_size=1",
+        "rollout.gpus_per_engine=2",
+        "actor.mini_batch_size=16",
+        "critic.mini_batch_size=16",
+        "actor.cpus_per_worker=1",
+        "critic.cpus_per_worker=1",
+        "model.sft_warmup_steps=20",
+        "actor.lr=1e-3",
+        "critic.lr=1e-3",
+    ]
+    result = run_trainer("--preset", "gsm8k-7b", *overrides, env={"RAY_ADDRESS": gpu_nodes["gcs_address"]}, timeout=540)
     assert result.returncode == 0, result.stderr[-4000:]
     placement = json.loads((tmp_path / "placement.json").read_text())
     for role in ("actor", "critic"):
@@ -137,11 +164,10 @@ def test_gsm8k_7b_layout_trains_on_the_rehearsal_cluster(gpu_nodes, tmp_path):
     assert summary["steps"] == 2 and summary["exported_model"]
     # The export (bf16, gathered from the shards) is the final fp32 policy, rounded, and it moved away
     # from the run's real starting weights.
-    from safetensors.torch import load_file
-
-    from cloudrl.trainer.checkpoint import read_full
     from cloudrl.trainer.config import load_config
-    from cloudrl.trainer.models import resolve_path
+    from cloudrl.trainer.inputs.models import resolve_path
+    from cloudrl.trainer.state.checkpoint import read_full
+    from safetensors.torch import load_file
 
     exported = load_file(next(Path(summary["exported_model"]).glob("*.safetensors")))
     final = read_full(tmp_path / "checkpoints/step_000002", "actor")["model"]

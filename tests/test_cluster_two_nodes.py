@@ -14,7 +14,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import local_cluster, run_trainer, tiny_overrides
 
 pytestmark = pytest.mark.ray
@@ -30,8 +29,13 @@ def two_nodes(tmp_path_factory, private_cache):
 
 
 def test_actor_ranks_run_on_different_nodes(two_nodes, tmp_path):
-    result = run_trainer("--preset", "local", *tiny_overrides(tmp_path, **{"actor.nodes": 2}),
-                         env={"RAY_ADDRESS": two_nodes["gcs_address"]}, timeout=400)
+    result = run_trainer(
+        "--preset",
+        "local",
+        *tiny_overrides(tmp_path, **{"actor.nodes": 2}),
+        env={"RAY_ADDRESS": two_nodes["gcs_address"]},
+        timeout=400,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     placement = json.loads((tmp_path / "placement.json").read_text())
     actor_nodes = [w["node_id"] for w in sorted(placement["actor"], key=lambda w: w["rank"])]
@@ -42,18 +46,28 @@ def test_actor_ranks_run_on_different_nodes(two_nodes, tmp_path):
 
 
 PREFLIGHT = [
-    (["actor.nodes=2", "actor.gpus_per_node=8", "actor.micro_batch_size=4"],
-     ["asks for 16 GPU", "actor.nodes=2 x actor.gpus_per_node=8", "has 4", "2 nodes with 2 GPUs, 3 CPUs"]),
-    (["rollout.engine=vllm", "rollout.tensor_parallel_size=4", "rollout.cpus_per_engine=0.5"],
-     ["rollout needs 2 CPU, 4 GPU on one node", "rollout.tensor_parallel_size=4", "no node has that much at all"]),
+    (
+        ["actor.nodes=2", "actor.gpus_per_node=8", "actor.micro_batch_size=4"],
+        ["asks for 16 GPU", "actor.nodes=2 x actor.gpus_per_node=8", "has 4", "2 nodes with 2 GPUs, 3 CPUs"],
+    ),
+    (
+        ["rollout.engine=vllm", "rollout.tensor_parallel_size=4", "rollout.cpus_per_engine=0.5"],
+        ["rollout needs 2 CPU, 4 GPU on one node", "rollout.tensor_parallel_size=4", "no node has that much at all"],
+    ),
 ]
 
 
 @pytest.mark.parametrize("overrides,expected", PREFLIGHT, ids=["16-gpus-on-4", "tp4-on-2-gpu-nodes"])
 def test_preflight_fails_fast_and_leaves_nothing(two_nodes, tmp_path, overrides, expected):
     start = time.monotonic()
-    result = run_trainer("--preset", "local", f"trainer.run_dir={tmp_path}", *overrides,
-                         env={"RAY_ADDRESS": two_nodes["gcs_address"]}, timeout=120)
+    result = run_trainer(
+        "--preset",
+        "local",
+        f"trainer.run_dir={tmp_path}",
+        *overrides,
+        env={"RAY_ADDRESS": two_nodes["gcs_address"]},
+        timeout=120,
+    )
     elapsed = time.monotonic() - start
     assert result.returncode == 1, result.stderr[-2000:]
     for text in expected:
@@ -61,10 +75,11 @@ def test_preflight_fails_fast_and_leaves_nothing(two_nodes, tmp_path, overrides,
     assert "Traceback" not in result.stderr
     assert elapsed < 10, f"preflight took {elapsed:.1f}s"
     # No placement group may be left behind: ask the cluster from a separate driver.
-    probe = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-             "print(sum(pg['state'] != 'REMOVED' for pg in ray.util.placement_group_table().values()))")
-    left = subprocess.run([sys.executable, "-c", probe, two_nodes["gcs_address"]], capture_output=True, text=True,
-                          timeout=120)
+    probe = (
+        "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+        "print(sum(pg['state'] != 'REMOVED' for pg in ray.util.placement_group_table().values()))"
+    )
+    left = subprocess.run(
+        [sys.executable, "-c", probe, two_nodes["gcs_address"]], capture_output=True, text=True, timeout=120
+    )
     assert left.stdout.strip().splitlines()[-1] == "0", left.stdout + left.stderr
-
-

@@ -8,10 +8,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from cloudrl.trainer import config as config_module
-from cloudrl.trainer.config import (ALGORITHMS, GROUP_ALGORITHMS, PRESET_DIR, Config, ConfigError, config_from_dict,
-                                    describe_keys, load_config)
+from cloudrl.trainer.config import (
+    ALGORITHMS,
+    GROUP_ALGORITHMS,
+    PRESET_DIR,
+    Config,
+    ConfigError,
+    config_from_dict,
+    describe_keys,
+    load_config,
+)
 from cloudrl.trainer.config_checks import coerce, validate
 from cloudrl.trainer.presets import all_keys
 
@@ -43,15 +50,18 @@ LITERAL_KEYS = {
 }
 
 
-@pytest.mark.parametrize("override, key, hint", [
-    ("model.dtype=bf16", "model.dtype", "did you mean bfloat16?"),
-    ("rollout.engine=vlm", "rollout.engine", "did you mean vllm?"),
-    ("algorithm.name=grpoo", "algorithm.name", "did you mean grpo?"),
-    ("algorithm.kl_mode=losss", "algorithm.kl_mode", "did you mean loss?"),
-    ("algorithm.kl_estimator=kk3", "algorithm.kl_estimator", "did you mean k3?"),
-    ("trainer.loggers=[console,tensorbord]", "trainer.loggers", "did you mean tensorboard?"),
-    ("trainer.loggers=jsonl,wandbb", "trainer.loggers", "did you mean wandb?"),
-])
+@pytest.mark.parametrize(
+    "override, key, hint",
+    [
+        ("model.dtype=bf16", "model.dtype", "did you mean bfloat16?"),
+        ("rollout.engine=vlm", "rollout.engine", "did you mean vllm?"),
+        ("algorithm.name=grpoo", "algorithm.name", "did you mean grpo?"),
+        ("algorithm.kl_mode=losss", "algorithm.kl_mode", "did you mean loss?"),
+        ("algorithm.kl_estimator=kk3", "algorithm.kl_estimator", "did you mean k3?"),
+        ("trainer.loggers=[console,tensorbord]", "trainer.loggers", "did you mean tensorboard?"),
+        ("trainer.loggers=jsonl,wandbb", "trainer.loggers", "did you mean wandb?"),
+    ],
+)
 def test_literal_key_rejects_a_bad_value_with_the_closest_choice(override: str, key: str, hint: str) -> None:
     bad = override.partition("=")[2].strip("[]").split(",")[-1]
     message = error_of([override])
@@ -73,8 +83,17 @@ def test_every_choice_of_a_literal_key_loads(key: str) -> None:
     for value in LITERAL_KEYS[key]:
         n = ["rollout.n=2"] if key == "algorithm.name" else []
         value_text = f"[{value}]" if key == "trainer.loggers" else value
-        cfg = load_config("local", [f"{key}={value_text}", *n, "actor.mini_batch_size=64", "critic.mini_batch_size=64",
-                                    "actor.micro_batch_size=64", "critic.micro_batch_size=64"])
+        cfg = load_config(
+            "local",
+            [
+                f"{key}={value_text}",
+                *n,
+                "actor.mini_batch_size=64",
+                "critic.mini_batch_size=64",
+                "actor.micro_batch_size=64",
+                "critic.micro_batch_size=64",
+            ],
+        )
         section, name = key.split(".")
         got = getattr(getattr(cfg, section), name)
         assert got == ([value] if key == "trainer.loggers" else value)
@@ -104,9 +123,19 @@ def test_help_config_lists_the_choices_and_not_the_removed_key() -> None:
 # Rules across keys (config_checks.validate)
 # ----------------------------------------------------------------------------------------------
 
-POSITIVE_KEYS = ["data.train_batch_size", "rollout.n", "rollout.max_new_tokens", "rollout.num_engines",
-                 "rollout.tensor_parallel_size", "actor.mini_batch_size", "actor.micro_batch_size", "actor.ppo_epochs",
-                 "trainer.total_steps", "trainer.keep_last", "data.max_prompt_length"]
+POSITIVE_KEYS = [
+    "data.train_batch_size",
+    "rollout.n",
+    "rollout.max_new_tokens",
+    "rollout.num_engines",
+    "rollout.tensor_parallel_size",
+    "actor.mini_batch_size",
+    "actor.micro_batch_size",
+    "actor.ppo_epochs",
+    "trainer.total_steps",
+    "trainer.keep_last",
+    "data.max_prompt_length",
+]
 
 
 @pytest.mark.parametrize("value", [0, -1])
@@ -115,8 +144,9 @@ def test_positive_keys(key: str, value: int) -> None:
     assert error_of([f"{key}={value}"]) == f"{key} must be >= 1; got {value}"
 
 
-@pytest.mark.parametrize("value, message", [("0", "> 0; got 0.0"), ("-5", "> 0; got -5.0"),
-                                            (".nan", "a finite number > 0; got nan")])
+@pytest.mark.parametrize(
+    "value, message", [("0", "> 0; got 0.0"), ("-5", "> 0; got -5.0"), (".nan", "a finite number > 0; got nan")]
+)
 @pytest.mark.parametrize("key", ["trainer.worker_timeout_s", "placement.timeout_s"])
 def test_timeouts_are_positive(key: str, value: str, message: str) -> None:
     """A negative wait would reach Ray as an exception deep in the run; NaN would never time out."""
@@ -125,14 +155,26 @@ def test_timeouts_are_positive(key: str, value: str, message: str) -> None:
 
 @pytest.mark.parametrize("algorithm", GROUP_ALGORITHMS)
 def test_group_algorithms_need_two_samples_per_prompt(algorithm: str) -> None:
-    assert_names(error_of([f"algorithm.name={algorithm}", "rollout.n=1"]),
-                 f"algorithm.name={algorithm}", "set rollout.n>=2 (now 1)")
+    assert_names(
+        error_of([f"algorithm.name={algorithm}", "rollout.n=1"]),
+        f"algorithm.name={algorithm}",
+        "set rollout.n>=2 (now 1)",
+    )
 
 
 @pytest.mark.parametrize("algorithm", sorted(set(ALGORITHMS) - set(GROUP_ALGORITHMS)))
 def test_other_algorithms_take_one_sample(algorithm: str) -> None:
-    cfg = load_config("local", [f"algorithm.name={algorithm}", "rollout.n=1", "actor.mini_batch_size=32",
-                                "actor.micro_batch_size=32", "critic.mini_batch_size=32", "critic.micro_batch_size=32"])
+    cfg = load_config(
+        "local",
+        [
+            f"algorithm.name={algorithm}",
+            "rollout.n=1",
+            "actor.mini_batch_size=32",
+            "actor.micro_batch_size=32",
+            "critic.mini_batch_size=32",
+            "critic.micro_batch_size=32",
+        ],
+    )
     assert cfg.rollout_batch_size == 32 and not cfg.uses_groups
 
 
@@ -142,13 +184,17 @@ RULES = [
     (["rollout.gpu_memory_utilization=1.5"], ["rollout.gpu_memory_utilization", "must be in (0, 1]", "got 1.5"]),
     (["algorithm.kl_coef=-0.1"], ["algorithm.kl_coef", "must be >= 0"]),
     (["algorithm.kl_target=-1"], ["algorithm.kl_target", "must be >= 0"]),
-    (["algorithm.kl_coef=0", "algorithm.kl_target=0.1"],
-     ["algorithm.kl_target=0.1", "algorithm.kl_coef, which is 0", "set algorithm.kl_coef > 0"]),
+    (
+        ["algorithm.kl_coef=0", "algorithm.kl_target=0.1"],
+        ["algorithm.kl_target=0.1", "algorithm.kl_coef, which is 0", "set algorithm.kl_coef > 0"],
+    ),
     (["actor.dual_clip=0.5"], ["actor.dual_clip", "must be > 1 (or 0 to turn it off)", "got 0.5"]),
     (["actor.dual_clip=1"], ["actor.dual_clip", "must be > 1 (or 0 to turn it off)", "got 1.0"]),
     (["rollout.tensor_parallel_size=2"], ["rollout.tensor_parallel_size > 1", "needs rollout.engine=vllm"]),
-    (["reward.in_driver=true", "reward.model_path=/rm"],
-     ["reward.in_driver=true", "reward.model_path is set", "drop one of them"]),
+    (
+        ["reward.in_driver=true", "reward.model_path=/rm"],
+        ["reward.in_driver=true", "reward.model_path is set", "drop one of them"],
+    ),
 ]
 
 
@@ -157,32 +203,63 @@ def test_rules(overrides: list[str], parts: list[str]) -> None:
     assert_names(error_of(overrides), *parts)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["rollout.gpu_memory_utilization=1"], ["actor.dual_clip=3"], ["actor.dual_clip=0"],
-    ["algorithm.kl_coef=0.01", "algorithm.kl_target=0.1"], ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"],
-    ["reward.in_driver=true"], ["reward.model_path=/rm"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.gpu_memory_utilization=1"],
+        ["actor.dual_clip=3"],
+        ["actor.dual_clip=0"],
+        ["algorithm.kl_coef=0.01", "algorithm.kl_target=0.1"],
+        ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"],
+        ["reward.in_driver=true"],
+        ["reward.model_path=/rm"],
+    ],
+)
 def test_the_edges_of_those_rules_load(overrides: list[str]) -> None:
     load_config("local", overrides)
 
 
 # The local preset makes 32 prompts x 8 samples = 256 sequences a step.
 BATCHES = [
-    (["actor.mini_batch_size=100"],
-     ["actor.mini_batch_size=100", "data.train_batch_size=32", "rollout.n=8",
-      "set actor.mini_batch_size to a divisor of 256"]),
-    (["critic.mini_batch_size=100"],
-     ["critic.mini_batch_size=100", "data.train_batch_size=32", "rollout.n=8",
-      "set critic.mini_batch_size to a divisor of 256"]),
-    (["actor.workers_per_node=3"],
-     ["actor.mini_batch_size=256", "actor.workers_per_node=3", "actor.nodes=1",
-      "set actor.mini_batch_size to a multiple of 3"]),
-    (["critic.nodes=3", "critic.gpus_per_node=1"],
-     ["critic.mini_batch_size=256", "critic.nodes=3", "critic.gpus_per_node=1", "multiple of 3"]),
-    (["actor.micro_batch_size=100"],
-     ["actor.micro_batch_size=100", "actor.mini_batch_size=256", "set actor.micro_batch_size to a divisor of 256"]),
-    (["critic.workers_per_node=2", "critic.micro_batch_size=256"],
-     ["critic.micro_batch_size=256", "critic.mini_batch_size=256 / 2 workers", "to a divisor of 128"]),
+    (
+        ["actor.mini_batch_size=100"],
+        [
+            "actor.mini_batch_size=100",
+            "data.train_batch_size=32",
+            "rollout.n=8",
+            "set actor.mini_batch_size to a divisor of 256",
+        ],
+    ),
+    (
+        ["critic.mini_batch_size=100"],
+        [
+            "critic.mini_batch_size=100",
+            "data.train_batch_size=32",
+            "rollout.n=8",
+            "set critic.mini_batch_size to a divisor of 256",
+        ],
+    ),
+    (
+        ["actor.workers_per_node=3"],
+        [
+            "actor.mini_batch_size=256",
+            "actor.workers_per_node=3",
+            "actor.nodes=1",
+            "set actor.mini_batch_size to a multiple of 3",
+        ],
+    ),
+    (
+        ["critic.nodes=3", "critic.gpus_per_node=1"],
+        ["critic.mini_batch_size=256", "critic.nodes=3", "critic.gpus_per_node=1", "multiple of 3"],
+    ),
+    (
+        ["actor.micro_batch_size=100"],
+        ["actor.micro_batch_size=100", "actor.mini_batch_size=256", "set actor.micro_batch_size to a divisor of 256"],
+    ),
+    (
+        ["critic.workers_per_node=2", "critic.micro_batch_size=256"],
+        ["critic.micro_batch_size=256", "critic.mini_batch_size=256 / 2 workers", "to a divisor of 128"],
+    ),
     (["rollout.num_engines=3"], ["data.train_batch_size=32", "rollout.num_engines=3", "use a multiple of it"]),
 ]
 
@@ -198,21 +275,31 @@ def test_the_critic_batches_are_not_checked_without_a_critic() -> None:
 
 
 @pytest.mark.parametrize("role", ["actor", "critic", "reference", "reward"])
-@pytest.mark.parametrize("setting, message", [("nodes=0", ">= 1; got 0"), ("workers_per_node=0", ">= 1; got 0"),
-                                              ("gpus_per_node=-1", ">= 0; got -1"),
-                                              ("cpus_per_worker=-1", ">= 0; got -1.0")])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("nodes=0", ">= 1; got 0"),
+        ("workers_per_node=0", ">= 1; got 0"),
+        ("gpus_per_node=-1", ">= 0; got -1"),
+        ("cpus_per_worker=-1", ">= 0; got -1.0"),
+    ],
+)
 def test_role_counts(role: str, setting: str, message: str) -> None:
     assert error_of([f"{role}.{setting}"]) == f"{role}.{setting.split('=')[0]} must be {message}"
 
 
 IN_ACTOR = [
-    (["rollout.engine=vllm"], ["placement.rollout_in_actor=true", "needs rollout.engine=hf (got vllm)",
-                               "placement.colocate_all=true"]),
+    (
+        ["rollout.engine=vllm"],
+        ["placement.rollout_in_actor=true", "needs rollout.engine=hf (got vllm)", "placement.colocate_all=true"],
+    ),
     (["rollout.num_engines=2"], ["rollout.num_engines", "placement.rollout_in_actor=true", "size the actor instead"]),
     (["rollout.gpus_per_engine=1"], ["rollout.gpus_per_engine", "placement.rollout_in_actor=true", "remove them"]),
     (["rollout.sleep_between_rollouts=true"], ["rollout.sleep_between_rollouts", "remove it"]),
-    (["actor.workers_per_node=2", "actor.micro_batch_size=128"],
-     ["placement.rollout_in_actor=true", "set actor.fsdp=false"]),
+    (
+        ["actor.workers_per_node=2", "actor.micro_batch_size=128"],
+        ["placement.rollout_in_actor=true", "set actor.fsdp=false"],
+    ),
     (["actor.gpus_per_node=1"], ["placement.rollout_in_actor=true", "set actor.fsdp=false"]),
 ]
 
@@ -223,8 +310,15 @@ def test_rollout_in_actor_rules(overrides: list[str], parts: list[str]) -> None:
 
 
 def test_rollout_in_actor_with_unsharded_actor_workers_loads() -> None:
-    load_config("local", ["placement.rollout_in_actor=true", "actor.workers_per_node=2", "actor.micro_batch_size=128",
-                                "actor.fsdp=false"])
+    load_config(
+        "local",
+        [
+            "placement.rollout_in_actor=true",
+            "actor.workers_per_node=2",
+            "actor.micro_batch_size=128",
+            "actor.fsdp=false",
+        ],
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,13 +326,16 @@ def test_rollout_in_actor_with_unsharded_actor_workers_loads() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key, hint", [
-    ("actor.lrr", "did you mean actor.lr?"),
-    ("trainer.logers", "did you mean trainer.loggers?"),
-    ("ppo_epochs", "did you mean actor.ppo_epochs?"),  # a bare name without its section
-    ("zzz.qqq", "see `python -m cloudrl.trainer --help-config`"),
-    ("actor", "did you mean"),  # a section is not a key
-])
+@pytest.mark.parametrize(
+    "key, hint",
+    [
+        ("actor.lrr", "did you mean actor.lr?"),
+        ("trainer.logers", "did you mean trainer.loggers?"),
+        ("ppo_epochs", "did you mean actor.ppo_epochs?"),  # a bare name without its section
+        ("zzz.qqq", "see `python -m cloudrl.trainer --help-config`"),
+        ("actor", "did you mean"),  # a section is not a key
+    ],
+)
 def test_unknown_key_names_the_closest(key: str, hint: str) -> None:
     assert_names(error_of([f"{key}=1"]), f"unknown config key {key!r} (command line)", hint)
 
@@ -247,34 +344,40 @@ def test_placement_strategy_is_gone() -> None:
     assert_names(error_of(["placement.strategy=pack"]), "unknown config key 'placement.strategy'")
 
 
-@pytest.mark.parametrize("override, message", [
-    ("actor.ppo_epochs=1.5", "actor.ppo_epochs must be an integer; got 1.5"),
-    ("actor.ppo_epochs=true", "actor.ppo_epochs must be an integer; got True"),
-    ("actor.ppo_epochs=two", "actor.ppo_epochs must be an integer; got 'two'"),
-    ("actor.lr=fast", "actor.lr must be a number; got 'fast'"),
-    ("actor.lr=false", "actor.lr must be a number; got False"),
-    ("data.shuffle=1", "data.shuffle must be true or false; got 1"),
-    ("data.shuffle=maybe", "data.shuffle must be true or false; got 'maybe'"),
-    ("rollout.stop={a: 1}", "rollout.stop must be a list, e.g. rollout.stop=[a,b]; got {'a': 1}"),
-    ("actor.resources=[1]", "actor.resources must be a mapping, e.g. actor.resources={name: 1}; got [1]"),
-    ("actor.resources={h100: lots}", "actor.resources.h100 must be a number; got 'lots'"),
-    ("model.path=[a]", "model.path must be a string; got ['a']"),
-    ("model.path={a: 1}", "model.path must be a string; got {'a': 1}"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor.ppo_epochs=1.5", "actor.ppo_epochs must be an integer; got 1.5"),
+        ("actor.ppo_epochs=true", "actor.ppo_epochs must be an integer; got True"),
+        ("actor.ppo_epochs=two", "actor.ppo_epochs must be an integer; got 'two'"),
+        ("actor.lr=fast", "actor.lr must be a number; got 'fast'"),
+        ("actor.lr=false", "actor.lr must be a number; got False"),
+        ("data.shuffle=1", "data.shuffle must be true or false; got 1"),
+        ("data.shuffle=maybe", "data.shuffle must be true or false; got 'maybe'"),
+        ("rollout.stop={a: 1}", "rollout.stop must be a list, e.g. rollout.stop=[a,b]; got {'a': 1}"),
+        ("actor.resources=[1]", "actor.resources must be a mapping, e.g. actor.resources={name: 1}; got [1]"),
+        ("actor.resources={h100: lots}", "actor.resources.h100 must be a number; got 'lots'"),
+        ("model.path=[a]", "model.path must be a string; got ['a']"),
+        ("model.path={a: 1}", "model.path must be a string; got {'a': 1}"),
+    ],
+)
 def test_wrong_types_name_the_key_and_the_type(override: str, message: str) -> None:
     assert error_of([override]) == message
 
 
-@pytest.mark.parametrize("override, key, value", [
-    ("actor.lr=1e-6", "actor.lr", 1e-6),  # YAML 1.1 reads this as a string
-    ("actor.lr=3", "actor.lr", 3.0),
-    ("rollout.stop=a,b", "rollout.stop", ["a", "b"]),
-    ("rollout.stop=[x]", "rollout.stop", ["x"]),
-    ("actor.resources={h100: 1}", "actor.resources", {"h100": 1.0}),
-    ("actor.resources=", "actor.resources", {}),
-    ("critic.model_path=", "critic.model_path", ""),
-    ("reward.function=123", "reward.function", "123"),
-])
+@pytest.mark.parametrize(
+    "override, key, value",
+    [
+        ("actor.lr=1e-6", "actor.lr", 1e-6),  # YAML 1.1 reads this as a string
+        ("actor.lr=3", "actor.lr", 3.0),
+        ("rollout.stop=a,b", "rollout.stop", ["a", "b"]),
+        ("rollout.stop=[x]", "rollout.stop", ["x"]),
+        ("actor.resources={h100: 1}", "actor.resources", {"h100": 1.0}),
+        ("actor.resources=", "actor.resources", {}),
+        ("critic.model_path=", "critic.model_path", ""),
+        ("reward.function=123", "reward.function", "123"),
+    ],
+)
 def test_values_are_coerced_to_the_annotated_type(override: str, key: str, value: object) -> None:
     section, name = key.split(".")
     got = getattr(getattr(load_config("local", [override]), section), name)
@@ -293,10 +396,13 @@ def test_an_override_without_equals(item: str) -> None:
     assert error_of([item]) == f"override {item!r} is not KEY=VALUE: write it like actor.lr=1e-6"
 
 
-@pytest.mark.parametrize("text, parts", [
-    ("actor: [", ["not valid YAML", "fix the file"]),
-    ("- a\n- b\n", ["a preset must be a mapping of sections like `actor:`"]),
-])
+@pytest.mark.parametrize(
+    "text, parts",
+    [
+        ("actor: [", ["not valid YAML", "fix the file"]),
+        ("- a\n- b\n", ["a preset must be a mapping of sections like `actor:`"]),
+    ],
+)
 def test_broken_preset_files(tmp_path: Path, text: str, parts: list[str]) -> None:
     preset = tmp_path / "p.yaml"
     preset.write_text(text)
@@ -348,7 +454,8 @@ def test_defaults_validate_and_round_trip() -> None:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _module_level_imports(tree: ast.Module, package: str, modules: set[str]) -> set[str]:
@@ -374,7 +481,7 @@ def _module_level_imports(tree: ast.Module, package: str, modules: set[str]) -> 
                 elif node.level == 1:
                     found.update(a.name for a in node.names)
                 elif node.level == 0 and node.module and node.module.startswith(f"{package}."):
-                    found.add(node.module[len(package) + 1:].split(".")[0])
+                    found.add(node.module[len(package) + 1 :].split(".")[0])
                 elif node.level == 0 and node.module == package:
                     found.update(a.name for a in node.names)
 
@@ -385,8 +492,10 @@ def _module_level_imports(tree: ast.Module, package: str, modules: set[str]) -> 
 def import_cycles(directory: Path, package: str = "cloudrl.trainer") -> list[list[str]]:
     """Every module-level import cycle among the .py files of `directory`, each as [a, b, ..., a]."""
     files = {p.stem: p for p in directory.glob("*.py")}
-    graph = {name: sorted(_module_level_imports(ast.parse(p.read_text()), package, set(files)) - {name})
-             for name, p in files.items()}
+    graph = {
+        name: sorted(_module_level_imports(ast.parse(p.read_text()), package, set(files)) - {name})
+        for name, p in files.items()
+    }
     cycles: list[list[str]] = []
     state: dict[str, str] = {}  # "open" while on the current path, then "done"
 
@@ -394,7 +503,7 @@ def import_cycles(directory: Path, package: str = "cloudrl.trainer") -> list[lis
         state[name] = "open"
         for nxt in graph[name]:
             if state.get(nxt) == "open":  # an edge back into the current path closes a cycle
-                cycles.append(path[path.index(nxt):] + [nxt])
+                cycles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 walk(nxt, path + [nxt])
         state[name] = "done"
@@ -418,10 +527,12 @@ def test_config_checks_does_not_import_config() -> None:
 def test_the_cycle_check_finds_a_cycle(tmp_path: Path) -> None:
     (tmp_path / "a.py").write_text("from .b import x\n")
     (tmp_path / "b.py").write_text("import cloudrl.trainer.c\n")
-    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\ntry:\n    from . import a\nexcept ImportError:\n"
-                                   "    pass\n")
-    (tmp_path / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\n"
-                                   "def f():\n    from .a import z\n")
+    (tmp_path / "c.py").write_text(
+        "from typing import TYPE_CHECKING\ntry:\n    from . import a\nexcept ImportError:\n    pass\n"
+    )
+    (tmp_path / "d.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\ndef f():\n    from .a import z\n"
+    )
     (tmp_path / "e.py").write_text("from .d import f\n")
     assert import_cycles(tmp_path) == [["a", "b", "c", "a"]]
     (tmp_path / "c.py").write_text("def g():\n    from . import a\n")

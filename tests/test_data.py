@@ -7,18 +7,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from cloudrl.trainer.config import DataConfig
-from cloudrl.trainer.data import PromptLoader, PromptRecord, load_prompts
-from cloudrl.trainer.demo import arithmetic_pairs, format_warmup_batches
 from cloudrl.trainer.errors import DataError
-from cloudrl.trainer.demo import build_char_tokenizer
-from cloudrl.trainer.rewards import gsm8k, score
+from cloudrl.trainer.inputs.data import PromptLoader, PromptRecord, load_prompts
+from cloudrl.trainer.inputs.demo import arithmetic_pairs, build_char_tokenizer, format_warmup_batches
+from cloudrl.trainer.inputs.rewards import gsm8k, score
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "examples" / "data" / "gsm8k_sample.jsonl"
-TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}[assistant]{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
 ROWS = [
@@ -131,8 +131,9 @@ def test_custom_prompt_key_and_several_files(tmp_path, tok):
     records = load_prompts(f"{a}, {b}", tok, prompt_key="question")
     assert [r.prompt_text for r in records] == ["q1", "q2", "q3"]
     assert [r.data_source for r in records] == ["a", "b", "b"]
-    records = load_prompts(f"{a},builtin:arithmetic", tok, data_cfg=DataConfig(prompt_key="question",
-                                                                               arithmetic_size=3))
+    records = load_prompts(
+        f"{a},builtin:arithmetic", tok, data_cfg=DataConfig(prompt_key="question", arithmetic_size=3)
+    )
     assert len(records) == 4
 
 
@@ -145,33 +146,53 @@ def test_answer_key_and_prompt_template(tmp_path, tok):
     assert second.prompt_text == "system: Be brief.\nuser: What is 2+2? Answer after ####."  # the last user message
     assert [first.ground_truth, second.ground_truth] == ["4", "7"]
     assert first.extra == {"solution": "4", "answer": "not this"}
-    with pytest.raises(DataError, match=r"raw\.jsonl: no 'truth' column \(it has question, solution, answer\): "
-                                        r"set data\.answer_key=<one of them>"):
+    with pytest.raises(
+        DataError,
+        match=r"raw\.jsonl: no 'truth' column \(it has question, solution, answer\): "
+        r"set data\.answer_key=<one of them>",
+    ):
         load_prompts(str(path), tok, data_cfg=DataConfig(prompt_key="question", answer_key="truth"))
 
 
-@pytest.mark.parametrize("make, split, message", [
-    (lambda d: str(d / "nope.jsonl"), "train", "data file not found: {d}/nope.jsonl (relative to"),
-    (lambda d: str(d / "nope.jsonl"), "val", "check data.val_files"),
-    (lambda d: str(d / "rows.csv"), "train", "rows.csv: unsupported file type '.csv': use .jsonl or .parquet"),
-    (lambda d: write_jsonl(d / "q.jsonl", [{"question": "hi", "answer": "1"}]), "train",
-     "q.jsonl: no 'prompt' column (it has question, answer): set data.prompt_key=<one of them>"),
-    (lambda d: write_jsonl(d / "empty.jsonl", []), "train",
-     "empty.jsonl: the file has no rows: add prompts or remove it from data.train_files"),
-    (lambda d: write_empty_parquet(d / "empty.parquet"), "train", "empty.parquet: the file has no rows"),
-    (lambda d: write_text(d / "bad.jsonl", '{"prompt": "ok"}\n\n{"prompt": oops}\n'), "train",
-     "bad.jsonl:3: not valid JSON (Expecting value): fix or remove the line"),
-    (lambda d: write_text(d / "list.jsonl", '["prompt"]\n'), "train", "list.jsonl:1: a line must be a JSON object"),
-    (lambda d: write_jsonl(d / "n.jsonl", [{"prompt": "a"}, {"prompt": None}]), "train",
-     "n.jsonl:2: 'prompt' must be a string or a list of"),
-    (lambda d: write_jsonl(d / "m.jsonl", [{"prompt": [{"role": "user"}]}]), "train",
-     "m.jsonl:1: 'prompt' must be a string or a list of"),
-    (lambda d: write_jsonl(d / "e.jsonl", [{"prompt": ""}]), "train", "e.jsonl:1: the prompt is empty"),
-    (lambda d: write_text(d / "junk.parquet", "not parquet"), "train",
-     "junk.parquet: not a readable Parquet file"),
-    (lambda d: "builtin:algebra", "train", "unknown built-in dataset 'builtin:algebra' in data.train_files"),
-    (lambda d: " , ", "train", "no prompt files given: set data.train_files="),
-])
+@pytest.mark.parametrize(
+    "make, split, message",
+    [
+        (lambda d: str(d / "nope.jsonl"), "train", "data file not found: {d}/nope.jsonl (relative to"),
+        (lambda d: str(d / "nope.jsonl"), "val", "check data.val_files"),
+        (lambda d: str(d / "rows.csv"), "train", "rows.csv: unsupported file type '.csv': use .jsonl or .parquet"),
+        (
+            lambda d: write_jsonl(d / "q.jsonl", [{"question": "hi", "answer": "1"}]),
+            "train",
+            "q.jsonl: no 'prompt' column (it has question, answer): set data.prompt_key=<one of them>",
+        ),
+        (
+            lambda d: write_jsonl(d / "empty.jsonl", []),
+            "train",
+            "empty.jsonl: the file has no rows: add prompts or remove it from data.train_files",
+        ),
+        (lambda d: write_empty_parquet(d / "empty.parquet"), "train", "empty.parquet: the file has no rows"),
+        (
+            lambda d: write_text(d / "bad.jsonl", '{"prompt": "ok"}\n\n{"prompt": oops}\n'),
+            "train",
+            "bad.jsonl:3: not valid JSON (Expecting value): fix or remove the line",
+        ),
+        (lambda d: write_text(d / "list.jsonl", '["prompt"]\n'), "train", "list.jsonl:1: a line must be a JSON object"),
+        (
+            lambda d: write_jsonl(d / "n.jsonl", [{"prompt": "a"}, {"prompt": None}]),
+            "train",
+            "n.jsonl:2: 'prompt' must be a string or a list of",
+        ),
+        (
+            lambda d: write_jsonl(d / "m.jsonl", [{"prompt": [{"role": "user"}]}]),
+            "train",
+            "m.jsonl:1: 'prompt' must be a string or a list of",
+        ),
+        (lambda d: write_jsonl(d / "e.jsonl", [{"prompt": ""}]), "train", "e.jsonl:1: the prompt is empty"),
+        (lambda d: write_text(d / "junk.parquet", "not parquet"), "train", "junk.parquet: not a readable Parquet file"),
+        (lambda d: "builtin:algebra", "train", "unknown built-in dataset 'builtin:algebra' in data.train_files"),
+        (lambda d: " , ", "train", "no prompt files given: set data.train_files="),
+    ],
+)
 def test_bad_inputs(tmp_path, tok, make, split, message):
     files = make(tmp_path)
     with pytest.raises(DataError) as err:
@@ -304,7 +325,7 @@ def test_format_warmup_batches(tok):
             prompt, _, rest = text.partition("=")
             prompt += "="
             assert all(x == -100 for x in lab[: len(prompt)])  # prompt tokens are not learned
-            assert lab[len(prompt):n] == ids[len(prompt):n]  # answer and EOS are
+            assert lab[len(prompt) : n] == ids[len(prompt) : n]  # answer and EOS are
             assert ids[n - 1] == tok.eos_token_id
             answer = int(rest[: -len(tok.eos_token)])
             assert 0 <= answer <= 4

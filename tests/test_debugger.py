@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from bundle_netns import NetnsCluster, netns_unavailable_reason
 from dstack_runner import base_env
 from test_bundle_cluster import READY, client_env, new_cluster, start_node, task  # noqa: F401
@@ -64,10 +63,27 @@ def test_ray_debug_lists_and_attaches_to_a_breakpoint_on_the_worker_node(legacy,
     head = f"{legacy.ips[0]}:6379"
     # The job's driver runs on the head (submitted over the head's dashboard, as `cloudrl submit` does).
     driver = subprocess.Popen(
-        legacy.ns_exec_prefix(0) + RAY + ["job", "submit", "--address", "http://127.0.0.1:8265",
-                                          "--submission-id", "debug-me", "--", "python", "-c", DRIVER],
-        env={**base_env(), **env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True)
+        legacy.ns_exec_prefix(0)
+        + RAY
+        + [
+            "job",
+            "submit",
+            "--address",
+            "http://127.0.0.1:8265",
+            "--submission-id",
+            "debug-me",
+            "--",
+            "python",
+            "-c",
+            DRIVER,
+        ],
+        env={**base_env(), **env},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         # `ray debug` runs on the head node (it is a Ray driver: it needs that node's raylet); it prints
         # its table, then asks for an index: the first read finds stdin closed.
@@ -80,8 +96,12 @@ def test_ray_debug_lists_and_attaches_to_a_breakpoint_on_the_worker_node(legacy,
         table = listed.stdout.split("Active breakpoints:", 1)[-1]
         assert re.search(r"reward_fn.*<string>:10", table), listed.stdout + listed.stderr[-3000:]
         # Attach to breakpoint 0 across nodes, print a local, continue: the task returns.
-        attached = legacy.run_in_node(0, ["sh", "-c", 'printf "0\\np secret * 2\\nc\\n" | "$@"', "sh",
-                                   *RAY, "debug", "--address", head], timeout=60, env=env)
+        attached = legacy.run_in_node(
+            0,
+            ["sh", "-c", 'printf "0\\np secret * 2\\nc\\n" | "$@"', "sh", *RAY, "debug", "--address", head],
+            timeout=60,
+            env=env,
+        )
         assert "84" in attached.stdout, attached.stdout + attached.stderr[-3000:]
         out, _ = driver.communicate(timeout=120)
         assert "result 42" in out, out[-3000:]

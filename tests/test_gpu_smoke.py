@@ -13,17 +13,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Entries of None in sys.modules make `import ray` fail and importlib.util.find_spec("ray") return None,
 # as when the package is not installed.
-BLOCKED_RUN = ("import runpy, sys\n"
-               "for name in sys.argv[1].split(','):\n"
-               "    sys.modules[name] = None\n"
-               "sys.argv = sys.argv[2:]\n"
-               "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+BLOCKED_RUN = (
+    "import runpy, sys\n"
+    "for name in sys.argv[1].split(','):\n"
+    "    sys.modules[name] = None\n"
+    "sys.argv = sys.argv[2:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
 
 
 def run_smoke(tmp_path: Path, blocked: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, "-c", BLOCKED_RUN, blocked, "bench/gpu_smoke.py", "--device", "cpu",
-                           *args, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCKED_RUN, blocked, "bench/gpu_smoke.py", "--device", "cpu", *args, "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
 
@@ -52,8 +59,21 @@ def test_gpu_smoke_on_cpu(tmp_path):
 def test_gpu_smoke_fsdp_bf16_without_installed_package(tmp_path):
     """The GPU configuration on CPU (FSDP2 over gloo, bf16 compute over fp32 masters), run from a
     checkout where cloudrl is not installed."""
-    _, res = run_smoke(tmp_path, "ray,vllm,cloudrl", "--model", "tiny", "--steps", "2", "--prompts", "4",
-                       "--max-new-tokens", "16", "--fsdp-on-cpu", "--dtype", "bfloat16")
+    _, res = run_smoke(
+        tmp_path,
+        "ray,vllm,cloudrl",
+        "--model",
+        "tiny",
+        "--steps",
+        "2",
+        "--prompts",
+        "4",
+        "--max-new-tokens",
+        "16",
+        "--fsdp-on-cpu",
+        "--dtype",
+        "bfloat16",
+    )
     check_results(res)
     assert res["dtype"] == "bfloat16" and res["sharded"] is True
     assert res["rollout/logprob_diff_max"] < 0.05
@@ -63,9 +83,30 @@ def test_gpu_smoke_with_two_ranks(tmp_path):
     """`--world 2`: one process per rank, FSDP2 over gloo here as over NCCL on two GPUs; rank 0 generates
     and the batch reaches rank 1 through the process group."""
     out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, "bench/gpu_smoke.py", "--device", "cpu", "--model", "tiny", "--steps", "2",
-                           "--world", "2", "--prompts", "4", "--max-new-tokens", "8", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/gpu_smoke.py",
+            "--device",
+            "cpu",
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--world",
+            "2",
+            "--prompts",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["world"] == 2 and res["sharded"] is True

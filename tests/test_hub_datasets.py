@@ -23,20 +23,25 @@ datasets = pytest.importorskip("datasets", reason="hf: entries need the `dataset
 from cloudrl.cli.app import app  # noqa: E402
 from cloudrl.cli.data import GSM8K_TEMPLATE, gsm8k_final_answer  # noqa: E402
 from cloudrl.trainer.config import PRESET_DIR, DataConfig  # noqa: E402
-from cloudrl.trainer.data import load_prompts  # noqa: E402
 from cloudrl.trainer.errors import DataError  # noqa: E402
-from cloudrl.trainer.demo import build_char_tokenizer  # noqa: E402
-from cloudrl.trainer.rewards import gsm8k, score  # noqa: E402
+from cloudrl.trainer.inputs.data import load_prompts  # noqa: E402
+from cloudrl.trainer.inputs.demo import build_char_tokenizer  # noqa: E402
+from cloudrl.trainer.inputs.rewards import gsm8k, score  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 runner = typer.testing.CliRunner()
 
 SPLITS = {
-    "train": {"question": ["Ann has 3 apples and buys 4 more. How many apples?", "What is 6 times 12?"],
-              "answer": ["3 + 4 = <<3+4=7>>7\n#### 7", "6 * 12 = <<6*12=72>>72\n#### 72"],
-              "level": [1, 2]},
-    "test": {"question": ["A box holds 1,000 pins; 1 is lost. How many are left?"],
-             "answer": ["1000 - 1 = 999\n#### 999"], "level": [3]},
+    "train": {
+        "question": ["Ann has 3 apples and buys 4 more. How many apples?", "What is 6 times 12?"],
+        "answer": ["3 + 4 = <<3+4=7>>7\n#### 7", "6 * 12 = <<6*12=72>>72\n#### 72"],
+        "level": [1, 2],
+    },
+    "test": {
+        "question": ["A box holds 1,000 pins; 1 is lost. How many are left?"],
+        "answer": ["1000 - 1 = 999\n#### 999"],
+        "level": [3],
+    },
 }
 # The raw dataset's mapping, as trainer/presets/gsm8k-7b.yaml sets it.
 RAW = DataConfig(prompt_key="question", answer_key="answer", prompt_template=GSM8K_TEMPLATE, max_prompt_length=512)
@@ -74,8 +79,9 @@ def one_line_error(files: str, tok, cfg: DataConfig = RAW, split: str = "train")
 
 def test_save_to_disk_dict_loads_and_scores(saved, tok):
     records = load_prompts(f"hf:{saved}@train", tok, data_cfg=RAW)
-    assert [r.prompt_text for r in records] == [GSM8K_TEMPLATE.replace("{prompt}", q)
-                                                for q in SPLITS["train"]["question"]]
+    assert [r.prompt_text for r in records] == [
+        GSM8K_TEMPLATE.replace("{prompt}", q) for q in SPLITS["train"]["question"]
+    ]
     assert [r.ground_truth for r in records] == SPLITS["train"]["answer"]  # the whole solution
     assert {r.data_source for r in records} == {"gsm_saved"}  # no data_source column: the directory's name
     assert records[1].extra == {"answer": SPLITS["train"]["answer"][1], "level": 2}
@@ -124,8 +130,14 @@ def write_hub_cache(cache: Path, repo_id: str, config: str) -> None:
     for split, ds in make_dict().items():
         ds.to_parquet(str(files / f"{split}.parquet"))
     stage = cache.parent / "stage"
-    builder = Parquet(cache_dir=str(stage), dataset_name=name, config_name=config, config_id=config,
-                      hash="0123456789abcdef", data_files={s: str(files / f"{s}.parquet") for s in SPLITS})
+    builder = Parquet(
+        cache_dir=str(stage),
+        dataset_name=name,
+        config_name=config,
+        config_id=config,
+        hash="0123456789abcdef",
+        data_files={s: str(files / f"{s}.parquet") for s in SPLITS},
+    )
     builder.download_and_prepare()
     cache.mkdir(parents=True)
     (stage / name).rename(cache / f"{owner}___{name}")
@@ -134,10 +146,10 @@ def write_hub_cache(cache: Path, repo_id: str, config: str) -> None:
 OFFLINE_SCRIPT = textwrap.dedent("""
     import json, sys
     from cloudrl.trainer.config import load_config
-    from cloudrl.trainer.data import load_prompts
+    from cloudrl.trainer.inputs.data import load_prompts
     from cloudrl.trainer.errors import DataError
-    from cloudrl.trainer.demo import build_char_tokenizer
-    from cloudrl.trainer.rewards import gsm8k, score
+    from cloudrl.trainer.inputs.demo import build_char_tokenizer
+    from cloudrl.trainer.inputs.rewards import gsm8k, score
     from cloudrl.cli.data import write_dataset
 
     tok, data = build_char_tokenizer(), load_config("gsm8k-7b").data
@@ -160,22 +172,36 @@ OFFLINE_SCRIPT = textwrap.dedent("""
 
 def test_hub_id_from_offline_cache(tmp_path):
     write_hub_cache(tmp_path / "hf" / "datasets", "openai/gsm8k", "main")
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf" / "datasets"),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT, str(tmp_path / "out")], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_DATASETS_CACHE": str(tmp_path / "hf" / "datasets"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", OFFLINE_SCRIPT, str(tmp_path / "out")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     # The shipped preset's entries and column mapping read the raw dataset, and the gsm8k reward scores it.
-    assert [t for t, _, _ in out["preset_train"]] == [GSM8K_TEMPLATE.replace("{prompt}", q)
-                                                      for q in SPLITS["train"]["question"]]
+    assert [t for t, _, _ in out["preset_train"]] == [
+        GSM8K_TEMPLATE.replace("{prompt}", q) for q in SPLITS["train"]["question"]
+    ]
     assert [g for _, g, _ in out["preset_train"]] == SPLITS["train"]["answer"]
     assert {s for _, _, s in out["preset_train"]} == {"openai/gsm8k"}  # so reward.function=auto picks gsm8k
     assert out["preset_train_scores"] == [1.0, 1.0] and out["preset_val_scores"] == [1.0]
     assert len(out["no_config"]) == 1
-    for name, want in [("bad_split", "hf:openai/gsm8k:main@validation: no split 'validation' (it has train, test)"),
-                       ("bad_config", "hf:openai/gsm8k:socratic: datasets could not load 'openai/gsm8k' ("),
-                       ("not_found", "hf:nobody/nothing: dataset 'nobody/nothing' not found (")]:
+    for name, want in [
+        ("bad_split", "hf:openai/gsm8k:main@validation: no split 'validation' (it has train, test)"),
+        ("bad_config", "hf:openai/gsm8k:socratic: datasets could not load 'openai/gsm8k' ("),
+        ("not_found", "hf:nobody/nothing: dataset 'nobody/nothing' not found ("),
+    ]:
         assert out[name].startswith("DataError: " + want) and "\n" not in out[name]
     assert "saved with save_to_disk" in out["not_found"] and "HF_HUB_OFFLINE" in out["not_found"]
     assert "main" in out["bad_config"]  # datasets lists the cached configs
@@ -188,19 +214,31 @@ def test_hub_id_from_offline_cache(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("entry, cfg, want", [
-    ("hf:{saved}@validation", RAW, "no split 'validation' (it has train, test): pick one with @SPLIT in "
-                                   "data.train_files"),
-    ("hf:{saved}", DataConfig(), "no 'prompt' column (it has question, answer, level): set data.prompt_key="),
-    ("hf:{saved}", DataConfig(prompt_key="question", answer_key="solution"),
-     "no 'solution' column (it has question, answer, level): set data.answer_key=<one of them>"),
-    ("hf:{saved}/nope", RAW, "no directory {saved}/nope: give a directory written by save_to_disk"),
-    ("hf:", RAW, "hf:: not DATASET[:CONFIG][@SPLIT]: write it like hf:openai/gsm8k:main@train"),
-    ("hf:openai/gsm8k:", RAW, "not DATASET[:CONFIG][@SPLIT]"),
-    ("hf:openai/gsm8k@", RAW, "not DATASET[:CONFIG][@SPLIT]"),
-    ("hf:{saved}", DataConfig(prompt_key="question", prompt_template="Q:"), "data.prompt_template='Q:' has no "
-                                                                            "{{prompt}}: mark where the prompt goes"),
-])
+@pytest.mark.parametrize(
+    "entry, cfg, want",
+    [
+        (
+            "hf:{saved}@validation",
+            RAW,
+            "no split 'validation' (it has train, test): pick one with @SPLIT in data.train_files",
+        ),
+        ("hf:{saved}", DataConfig(), "no 'prompt' column (it has question, answer, level): set data.prompt_key="),
+        (
+            "hf:{saved}",
+            DataConfig(prompt_key="question", answer_key="solution"),
+            "no 'solution' column (it has question, answer, level): set data.answer_key=<one of them>",
+        ),
+        ("hf:{saved}/nope", RAW, "no directory {saved}/nope: give a directory written by save_to_disk"),
+        ("hf:", RAW, "hf:: not DATASET[:CONFIG][@SPLIT]: write it like hf:openai/gsm8k:main@train"),
+        ("hf:openai/gsm8k:", RAW, "not DATASET[:CONFIG][@SPLIT]"),
+        ("hf:openai/gsm8k@", RAW, "not DATASET[:CONFIG][@SPLIT]"),
+        (
+            "hf:{saved}",
+            DataConfig(prompt_key="question", prompt_template="Q:"),
+            "data.prompt_template='Q:' has no {{prompt}}: mark where the prompt goes",
+        ),
+    ],
+)
 def test_errors_are_one_line(saved, tok, entry, cfg, want):
     assert want.format(saved=saved) in one_line_error(entry.format(saved=saved), tok, cfg)
 
@@ -221,13 +259,19 @@ def test_cli_gsm8k_from_saved_dir(saved, tmp_path, tok):
     result = runner.invoke(app, ["data", "gsm8k", "--source", str(saved), "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines() == [
-        f"train: 2 rows -> {out / 'train.parquet'}", f"test: 1 rows -> {out / 'test.parquet'}",
+        f"train: 2 rows -> {out / 'train.parquet'}",
+        f"test: 1 rows -> {out / 'test.parquet'}",
         f"train on them: cloudrl submit data.train_files={out / 'train.parquet'} "
-        f"data.val_files={out / 'test.parquet'} reward.function=gsm8k"]
+        f"data.val_files={out / 'test.parquet'} reward.function=gsm8k",
+    ]
     records = load_prompts(f"{out / 'train.parquet'}", tok, max_prompt_length=512)
     assert [r.ground_truth for r in records] == ["7", "72"] and {r.data_source for r in records} == {"openai/gsm8k"}
-    assert records[0].extra["extra_info"] == {"split": "train", "index": 0, "question": SPLITS["train"]["question"][0],
-                                              "answer": SPLITS["train"]["answer"][0]}
+    assert records[0].extra["extra_info"] == {
+        "split": "train",
+        "index": 0,
+        "question": SPLITS["train"]["question"][0],
+        "answer": SPLITS["train"]["answer"][0],
+    }
     assert score(gsm8k, ["#### 7", "so #### 72"], records) == [1.0, 1.0]
     # With a chat template (an instruct model's), the prepared files and the raw dataset read with the
     # preset's mapping give the model the same prompts.
@@ -251,13 +295,16 @@ def test_cli_arithmetic_export(tmp_path, tok):
     assert len(test) == 25 and {r.data_source for r in test} == {"arithmetic"}
 
 
-@pytest.mark.parametrize("args, want", [
-    (["gsm8k", "--source", "{tmp}/nope"], "error: --source {tmp}/nope: no directory {tmp}/nope: give a directory"),
-    (["gsm8k", "--source", "{tmp}/one"], "error: --source {tmp}/one: split 'train' has columns x, not GSM8K's"),
-    (["gsm8k", "--source", "{saved}@train"], "error: --source {saved}@train: drop @train: cloudrl data writes"),
-    (["arithmetic", "--source", "{saved}"], "error: the arithmetic task is generated, not read: drop --source"),
-    (["gsm8", "--source", "{saved}"], "error: unknown dataset 'gsm8' (did you mean gsm8k?): cloudrl data writes"),
-])
+@pytest.mark.parametrize(
+    "args, want",
+    [
+        (["gsm8k", "--source", "{tmp}/nope"], "error: --source {tmp}/nope: no directory {tmp}/nope: give a directory"),
+        (["gsm8k", "--source", "{tmp}/one"], "error: --source {tmp}/one: split 'train' has columns x, not GSM8K's"),
+        (["gsm8k", "--source", "{saved}@train"], "error: --source {saved}@train: drop @train: cloudrl data writes"),
+        (["arithmetic", "--source", "{saved}"], "error: the arithmetic task is generated, not read: drop --source"),
+        (["gsm8", "--source", "{saved}"], "error: unknown dataset 'gsm8' (did you mean gsm8k?): cloudrl data writes"),
+    ],
+)
 def test_cli_bad_source_is_one_line(monkeypatch, saved, tmp_path, args, want):
     monkeypatch.delenv("CLOUDRL_DEBUG", raising=False)
     datasets.Dataset.from_dict({"x": [1]}).save_to_disk(str(tmp_path / "one"))

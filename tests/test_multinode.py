@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from cloudrl.trainer.batch import build_batch, from_wire, update_shards
+from cloudrl.trainer.algo.batch import build_batch, from_wire, update_shards
 from cloudrl.trainer.config import load_config
-from cloudrl.trainer.models import resolve_path
-from cloudrl.trainer.placement import ClusterTooSmall, check_fits, plan, plan_slots
-from cloudrl.trainer.roles import ActorGroup, create_placement_group
-from cloudrl.trainer.workers import PolicyWorker
+from cloudrl.trainer.inputs.models import resolve_path
+from cloudrl.trainer.roles.launch import ActorGroup, create_placement_group
+from cloudrl.trainer.roles.placement import ClusterTooSmall, check_fits, plan, plan_slots
+from cloudrl.trainer.roles.workers import PolicyWorker
 
 pytestmark = pytest.mark.ray
 
@@ -26,10 +25,14 @@ def _policy_group(cfg, model_path: str, world: int) -> tuple[ActorGroup, object]
 
 def _fixed_batch(cfg, size: int):
     gen = torch.Generator().manual_seed(0)
-    prompts = [[int(t) for t in torch.randint(3, 20, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen)]
-               for _ in range(size)]
-    responses = [[int(t) for t in torch.randint(3, 20, (int(torch.randint(0, 5, (1,), generator=gen)),), generator=gen)]
-                 for _ in range(size)]
+    prompts = [
+        [int(t) for t in torch.randint(3, 20, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen)]
+        for _ in range(size)
+    ]
+    responses = [
+        [int(t) for t in torch.randint(3, 20, (int(torch.randint(0, 5, (1,), generator=gen)),), generator=gen)]
+        for _ in range(size)
+    ]
     batch = build_batch(prompts, responses, pad_id=0)
     batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=gen) * batch["response_mask"]
     batch["old_logprobs"] = -torch.rand(batch["response_mask"].shape, generator=gen) * batch["response_mask"]
@@ -51,13 +54,24 @@ def test_two_workers_match_one_on_the_same_global_batch(ray_local, fsdp):
         tensors. Under FSDP it is a collective: call it on all ranks at once."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = (get_model_state_dict(worker.model, options=StateDictOptions(full_state_dict=True))
-                 if worker.sharded else worker.model.state_dict())
+        state = (
+            get_model_state_dict(worker.model, options=StateDictOptions(full_state_dict=True))
+            if worker.sharded
+            else worker.model.state_dict()
+        )
         return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
 
-    overrides = ["actor.mini_batch_size=16", "actor.micro_batch_size=4", "actor.lr=1e-3", "data.train_batch_size=8",
-                 "rollout.n=4", "model.sft_warmup_steps=20", "critic.mini_batch_size=16", "critic.micro_batch_size=4",
-                 f"actor.fsdp={str(fsdp).lower()}"]
+    overrides = [
+        "actor.mini_batch_size=16",
+        "actor.micro_batch_size=4",
+        "actor.lr=1e-3",
+        "data.train_batch_size=8",
+        "rollout.n=4",
+        "model.sft_warmup_steps=20",
+        "critic.mini_batch_size=16",
+        "critic.micro_batch_size=4",
+        f"actor.fsdp={str(fsdp).lower()}",
+    ]
     cfg = load_config("local", overrides)
     model_path = resolve_path(cfg.model.path, cfg)
     batch = _fixed_batch(cfg, 32)
@@ -107,7 +121,6 @@ def test_a_worker_that_never_answers_ends_in_one_line(ray_local):
     import time
 
     import ray
-
     from cloudrl.trainer.errors import WorkerTimeout
     from cloudrl.trainer.waiting import get_all
 
@@ -122,9 +135,12 @@ def test_a_worker_that_never_answers_ends_in_one_line(ray_local):
         assert get_all([w.ping.remote(0) for w in workers], ["a", "b"], 30, "pinging") == [0, 0]
         start = time.monotonic()
         with pytest.raises(WorkerTimeout) as err:
-            get_all([workers[0].ping.remote(0), workers[1].ping.remote(60)],
-                    ["critic rank 0 on 10.0.0.1", "critic rank 1 on 10.0.0.2"], 1.0,
-                    "critic: joining the process group")
+            get_all(
+                [workers[0].ping.remote(0), workers[1].ping.remote(60)],
+                ["critic rank 0 on 10.0.0.1", "critic rank 1 on 10.0.0.2"],
+                1.0,
+                "critic: joining the process group",
+            )
         assert time.monotonic() - start < 10
         message = str(err.value)
         assert "\n" not in message and "critic rank 1 on 10.0.0.2" in message and "rank 0" not in message

@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from cloudrl.trainer.config import ConfigError, load_config
 from cloudrl.trainer.driver import train
-
 from conftest import tiny_overrides
 from test_trainer import REWARD_RISES
 
@@ -18,12 +16,15 @@ def _rows(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in rows if r["step"] > 0}
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("placement.rollout_in_actor=true", "placement.rollout_in_actor=false"),
-    ("placement.colocate_all=true", "placement.colocate_all=false"),
-    ("rollout.sleep_between_rollouts=true", "rollout.sleep_between_rollouts=false"),
-    ("rollout.policy_lag=2", "rollout.policy_lag"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("placement.rollout_in_actor=true", "placement.rollout_in_actor=false"),
+        ("placement.colocate_all=true", "placement.colocate_all=false"),
+        ("rollout.sleep_between_rollouts=true", "rollout.sleep_between_rollouts=false"),
+        ("rollout.policy_lag=2", "rollout.policy_lag"),
+    ],
+)
 def test_what_cannot_overlap_is_refused(override, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config("local", ["rollout.policy_lag=1", override])
@@ -33,8 +34,13 @@ def test_what_cannot_overlap_is_refused(override, expected):
 def test_lagging_run_learns(ray_local, tmp_path):
     """One batch in flight: trained on samples one policy version old (importance-weighted), the
     reward still rises as in the run that generates in turn (tests/test_trainer.py)."""
-    overrides = {**REWARD_RISES, "algorithm.name": "grpo", "algorithm.grpo_norm_by_std": "false",
-                 "rollout.policy_lag": 1, "trainer.run_dir": tmp_path}
+    overrides = {
+        **REWARD_RISES,
+        "algorithm.name": "grpo",
+        "algorithm.grpo_norm_by_std": "false",
+        "rollout.policy_lag": 1,
+        "trainer.run_dir": tmp_path,
+    }
     train(load_config("local", [f"{k}={v}" for k, v in overrides.items()]))
     rows = _rows(tmp_path)
     rewards = [rows[s]["rollout/reward_mean"] for s in sorted(rows)]
@@ -69,8 +75,12 @@ def test_resumed_lagging_run_matches_the_uninterrupted_one(ray_local, tmp_path):
     common = {"trainer.save_every": 2, "trainer.keep_last": 5, "rollout.policy_lag": 1}
     train(load_config("local", tiny_overrides(tmp_path / "straight", **common, **{"trainer.total_steps": 4})))
     train(load_config("local", tiny_overrides(tmp_path / "resumed", **common, **{"trainer.total_steps": 2})))
-    summary = train(load_config("local", tiny_overrides(tmp_path / "resumed", **common,
-                                                        **{"trainer.total_steps": 4, "trainer.resume": "auto"})))
+    summary = train(
+        load_config(
+            "local",
+            tiny_overrides(tmp_path / "resumed", **common, **{"trainer.total_steps": 4, "trainer.resume": "auto"}),
+        )
+    )
     assert summary["resumed_from"] == 2
     straight, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
     assert [straight[s]["rollout/policy_lag"] for s in (1, 2, 3, 4)] == [0, 1, 0, 1]

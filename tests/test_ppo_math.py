@@ -9,8 +9,7 @@ import statistics
 
 import pytest
 import torch
-
-from cloudrl.trainer import ppo_math as pm
+from cloudrl.trainer.algo import ppo_math as pm
 
 SEEDS = [0, 1, 2]
 GARBAGE = 1e6

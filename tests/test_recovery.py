@@ -11,9 +11,7 @@ import sys
 import time
 
 import pytest
-
-from cloudrl.trainer import checkpoint
-
+from cloudrl.trainer.state import checkpoint
 from conftest import REPO, tiny_overrides
 
 pytestmark = pytest.mark.ray
@@ -28,13 +26,24 @@ def _steps(run_dir) -> list[int]:
 
 def test_sigterm_during_a_step_leaves_a_checkpoint_of_that_step(ray_local, tmp_path):
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "cloudrl.trainer", "--preset", "local",
-            *tiny_overrides(run_dir, **{"trainer.total_steps": 50, "trainer.save_every": 0,
-                                        "trainer.export_hf": "false"})]
+    args = [
+        sys.executable,
+        "-m",
+        "cloudrl.trainer",
+        "--preset",
+        "local",
+        *tiny_overrides(run_dir, **{"trainer.total_steps": 50, "trainer.save_every": 0, "trainer.export_hf": "false"}),
+    ]
     log = tmp_path / "driver.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "RAY_ADDRESS": ray_local, "PYTHONUNBUFFERED": "1"},
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            args,
+            cwd=REPO,
+            env={**os.environ, "RAY_ADDRESS": ray_local, "PYTHONUNBUFFERED": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.time() + 300
         while max(_steps(run_dir), default=0) < 1 and time.time() < deadline and proc.poll() is None:
@@ -56,6 +65,8 @@ def test_sigterm_during_a_step_leaves_a_checkpoint_of_that_step(ray_local, tmp_p
     assert checkpoint.load(latest, ["actor", "critic"]).state["step"] == last
     assert code == 1
     lines = [line for line in text.splitlines() if line.startswith("error:")]
-    assert lines == [f"error: stopped by SIGTERM after step {last}, checkpointed in {latest}: resubmit the same "
-                     f"config with trainer.resume=auto to continue from the latest checkpoint"], text[-3000:]
+    assert lines == [
+        f"error: stopped by SIGTERM after step {last}, checkpointed in {latest}: resubmit the same "
+        f"config with trainer.resume=auto to continue from the latest checkpoint"
+    ], text[-3000:]
     assert "Traceback" not in text

@@ -4,14 +4,15 @@ exception classes), and the one line a run that cannot recover ends with."""
 from __future__ import annotations
 
 import pytest
-from ray.exceptions import ActorDiedError, NodeDiedError, RayTaskError
-
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.errors import RecoveryFailed
 from cloudrl.trainer.recovery import describe_dead_actor, lost_component, run_with_restarts
+from ray.exceptions import ActorDiedError, NodeDiedError, RayTaskError
 
-DEAD = ("The actor died unexpectedly before finishing this task.\n\tclass_name: CriticWorker\n\tactor_id: 00ab\n"
-        "\tpid: 4242\n\tnamespace: x\n\tip: 10.0.0.2\nThe actor is dead because its node has died. Node Id: 1234\n")
+DEAD = (
+    "The actor died unexpectedly before finishing this task.\n\tclass_name: CriticWorker\n\tactor_id: 00ab\n"
+    "\tpid: 4242\n\tnamespace: x\n\tip: 10.0.0.2\nThe actor is dead because its node has died. Node Id: 1234\n"
+)
 
 
 class _Dead(ActorDiedError):
@@ -41,15 +42,17 @@ def test_a_run_out_of_restarts_ends_with_one_line():
 
     with pytest.raises(RecoveryFailed) as err:
         run_with_restarts(cfg, [], None, Roles, run)
-    assert str(err.value) == ("lost critic on 10.0.0.2: dead because its node has died. Node Id: 1234; no restart "
-                              "left (trainer.max_restarts=0): fix the cluster, then resubmit the same config with "
-                              "trainer.resume=auto to continue from the latest checkpoint")
+    assert str(err.value) == (
+        "lost critic on 10.0.0.2: dead because its node has died. Node Id: 1234; no restart "
+        "left (trainer.max_restarts=0): fix the cluster, then resubmit the same config with "
+        "trainer.resume=auto to continue from the latest checkpoint"
+    )
     assert shut == [True]  # the roles were shut down all the same
 
 
 def test_an_unusable_checkpoint_uri_is_one_line():
     from cloudrl.trainer.errors import CheckpointError
-    from cloudrl.trainer.storage import check
+    from cloudrl.trainer.state.storage import check
 
     with pytest.raises(CheckpointError) as err:
         check("nosuch://bucket/run")
@@ -65,8 +68,10 @@ def test_an_unreachable_actor_is_named_with_rays_reason():
             pass
 
         def __str__(self):
-            return ("The actor 84f7 is unavailable: The actor is temporarily unavailable: RpcError: RPC error: "
-                    "Socket closed rpc_code: 14. The task may or may not have been executed on the actor.\n"
-                    "\tclass_name: PolicyWorker\n\tip: 10.0.0.3\n")
+            return (
+                "The actor 84f7 is unavailable: The actor is temporarily unavailable: RpcError: RPC error: "
+                "Socket closed rpc_code: 14. The task may or may not have been executed on the actor.\n"
+                "\tclass_name: PolicyWorker\n\tip: 10.0.0.3\n"
+            )
 
     assert lost_component(Unreachable(), None) == "actor on 10.0.0.3: unreachable (Socket closed)"

@@ -18,9 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
-from cloudrl.trainer import checkpoint
-
+from cloudrl.trainer.state import checkpoint
 from conftest import REPO, local_cluster, tiny_overrides
 
 pytestmark = pytest.mark.ray
@@ -33,9 +31,21 @@ def _start_worker_node(state: dict, name: str) -> dict:
     from cloudrl.cli.node_processes import spawn
 
     root = Path(state["root"])
-    args = [cluster._ray_executable(), "start", "--block", "--disable-usage-stats", "--node-ip-address", "127.0.0.1",
-            f"--num-cpus={CPUS}", "--num-gpus=0", f"--object-store-memory={200 * 1024 * 1024}",
-            f"--temp-dir={root}/{name}", "--min-worker-port=0", "--max-worker-port=0", f"--address={state['gcs_address']}"]
+    args = [
+        cluster._ray_executable(),
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        "--node-ip-address",
+        "127.0.0.1",
+        f"--num-cpus={CPUS}",
+        "--num-gpus=0",
+        f"--object-store-memory={200 * 1024 * 1024}",
+        f"--temp-dir={root}/{name}",
+        "--min-worker-port=0",
+        "--max-worker-port=0",
+        f"--address={state['gcs_address']}",
+    ]
     return spawn(args, root / f"{name}.log", cluster._node_env())
 
 
@@ -61,12 +71,27 @@ def _sigkill_node(node: dict) -> None:
 
 
 def _driver(run_dir: Path, gcs: str, log: Path, **extra) -> subprocess.Popen:
-    values = {"trainer.total_steps": 4, "trainer.save_every": 2, "trainer.keep_last": 10, "trainer.export_hf": "false",
-              "actor.nodes": 2, "critic.nodes": 2, "trainer.restart_wait_s": 180, "placement.timeout_s": 120, **extra}
+    values = {
+        "trainer.total_steps": 4,
+        "trainer.save_every": 2,
+        "trainer.keep_last": 10,
+        "trainer.export_hf": "false",
+        "actor.nodes": 2,
+        "critic.nodes": 2,
+        "trainer.restart_wait_s": 180,
+        "placement.timeout_s": 120,
+        **extra,
+    }
     args = [sys.executable, "-m", "cloudrl.trainer", "--preset", "local", *tiny_overrides(run_dir, **values)]
     with open(log, "w") as out:
-        return subprocess.Popen(args, cwd=REPO, env={**os.environ, "RAY_ADDRESS": gcs, "PYTHONUNBUFFERED": "1"},
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            args,
+            cwd=REPO,
+            env={**os.environ, "RAY_ADDRESS": gcs, "PYTHONUNBUFFERED": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float) -> int:

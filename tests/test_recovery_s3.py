@@ -12,11 +12,9 @@ import time
 import urllib.request
 
 import pytest
-
-from cloudrl.trainer import checkpoint
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.driver import train
-
+from cloudrl.trainer.state import checkpoint
 from conftest import tiny_overrides
 
 pytestmark = pytest.mark.ray
@@ -29,8 +27,11 @@ def s3_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
@@ -50,15 +51,23 @@ def s3_server():
 def test_resume_from_the_bucket_after_the_run_dir_is_deleted(ray_local, s3_server, tmp_path, monkeypatch):
     import s3fs
 
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
-                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_server}.items():
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3_server,
+    }.items():
         monkeypatch.setenv(name, value)
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.mkdir("cloudrl-ckpt")
     uri = "s3://cloudrl-ckpt/runs/a"
     run_dir = tmp_path / "run"
-    common = {"trainer.save_every": 1, "trainer.keep_last": 2, "trainer.checkpoint_uri": uri,
-              "trainer.export_hf": "false"}
+    common = {
+        "trainer.save_every": 1,
+        "trainer.keep_last": 2,
+        "trainer.checkpoint_uri": uri,
+        "trainer.export_hf": "false",
+    }
     train(load_config("local", tiny_overrides(run_dir, **common, **{"trainer.total_steps": 3})))
     fs.invalidate_cache()
     copies = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("cloudrl-ckpt/runs/a"))

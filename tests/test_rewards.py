@@ -5,12 +5,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-from cloudrl.trainer.data import PromptRecord
 from cloudrl.trainer.errors import DataError, RewardError
-from cloudrl.trainer.rewards import arithmetic, auto, exact_match, gsm8k, resolve_reward_fn, score
+from cloudrl.trainer.inputs.data import PromptRecord
+from cloudrl.trainer.inputs.rewards import arithmetic, auto, exact_match, gsm8k, resolve_reward_fn, score
 
-USER_MODULE = '''
+USER_MODULE = """
 CALLS = []
 
 def length_bonus(completions, **columns):
@@ -21,7 +20,7 @@ THRESHOLD = 3
 
 def _helper():
     pass
-'''
+"""
 
 
 def records(truths, sources=None, extras=None):
@@ -36,40 +35,50 @@ def records(truths, sources=None, extras=None):
 
 
 def test_exact_match():
-    assert exact_match([" Paris\n", "paris", "Paris!", ""], ground_truth=["Paris", "Paris", "Paris", ""]) == \
-        [1.0, 0.0, 0.0, 1.0]
+    assert exact_match([" Paris\n", "paris", "Paris!", ""], ground_truth=["Paris", "Paris", "Paris", ""]) == [
+        1.0,
+        0.0,
+        0.0,
+        1.0,
+    ]
 
 
-@pytest.mark.parametrize("completion, truth, want", [
-    ("5 + 3 = 8\n#### 8", "8", 1.0),
-    ("#### 8.0", "8", 1.0),
-    ("costs $1,250 total\n#### $1,250.", "1250", 1.0),
-    ("#### -4", "-4", 1.0),
-    ("#### 3.75", "3.75", 1.0),
-    ("first #### 7 then #### 9", "9", 1.0),         # the last marker counts
-    ("first #### 9 then #### 7", "9", 0.0),
-    ("the answer is 8", "8", 0.0),                   # no marker, no credit
-    ("#### eight", "8", 0.0),
-    ("#### 8", "step\n#### 8", 1.0),                 # ground truth given as a full solution
-    ("#### 8", "step\n#### 1,008", 0.0),
-    ("#### 8", "", 0.0),
-    ("#### 80", "8", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, truth, want",
+    [
+        ("5 + 3 = 8\n#### 8", "8", 1.0),
+        ("#### 8.0", "8", 1.0),
+        ("costs $1,250 total\n#### $1,250.", "1250", 1.0),
+        ("#### -4", "-4", 1.0),
+        ("#### 3.75", "3.75", 1.0),
+        ("first #### 7 then #### 9", "9", 1.0),  # the last marker counts
+        ("first #### 9 then #### 7", "9", 0.0),
+        ("the answer is 8", "8", 0.0),  # no marker, no credit
+        ("#### eight", "8", 0.0),
+        ("#### 8", "step\n#### 8", 1.0),  # ground truth given as a full solution
+        ("#### 8", "step\n#### 1,008", 0.0),
+        ("#### 8", "", 0.0),
+        ("#### 80", "8", 0.0),
+    ],
+)
 def test_gsm8k(completion, truth, want):
     assert gsm8k([completion], ground_truth=[truth]) == [want]
 
 
-@pytest.mark.parametrize("completion, truth, want", [
-    ("7", "7", 1.0),
-    (" 7 ", "7", 1.0),
-    ("7 is it", "7", 1.0),   # the leading integer counts
-    ("77", "7", 0.0),
-    ("8", "7", 0.0),
-    ("x7", "7", 0.0),
-    ("", "7", 0.0),
-    ("-2", "-2", 1.0),
-    ("7", "seven", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, truth, want",
+    [
+        ("7", "7", 1.0),
+        (" 7 ", "7", 1.0),
+        ("7 is it", "7", 1.0),  # the leading integer counts
+        ("77", "7", 0.0),
+        ("8", "7", 0.0),
+        ("x7", "7", 0.0),
+        ("", "7", 0.0),
+        ("-2", "-2", 1.0),
+        ("7", "seven", 0.0),
+    ],
+)
 def test_arithmetic(completion, truth, want):
     assert arithmetic([completion], ground_truth=[truth]) == [want]
 
@@ -86,8 +95,9 @@ def test_auto_dispatches_by_data_source():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, fn", [("gsm8k", gsm8k), (" auto ", auto), ("arithmetic", arithmetic),
-                                      ("exact_match", exact_match)])
+@pytest.mark.parametrize(
+    "name, fn", [("gsm8k", gsm8k), (" auto ", auto), ("arithmetic", arithmetic), ("exact_match", exact_match)]
+)
 def test_resolve_builtins(name, fn):
     assert resolve_reward_fn(name) is fn
 
@@ -126,24 +136,33 @@ def user_files(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("gsm8", "unknown reward function 'gsm8' (did you mean gsm8k?): built-ins are answer_em, arithmetic, auto, exact_match, "
-             "gsm8k; for your own use reward.function=my_module:my_fn or reward.function=path/to/file.py:my_fn"),
-    ("qqqq", "unknown reward function 'qqqq': built-ins are"),
-    ("mine:", "reward.function='mine:' is not MODULE:FUNCTION or FILE.py:FUNCTION"),
-    (":length_bonus", "is not MODULE:FUNCTION or FILE.py:FUNCTION"),
-    ("no_such_mod_xyz:fn", "reward module 'no_such_mod_xyz' not found: install it or add its folder to PYTHONPATH"),
-    ("needs_dep:fn", "importing reward module 'needs_dep' failed (No module named 'not_installed_dep_xyz')"),
-    ("broken:f", "importing reward module 'broken' failed (SyntaxError"),
-    ("mine:lenght_bonus", "module mine has no function 'lenght_bonus' (did you mean length_bonus?): "
-                          "it defines length_bonus; fix reward.function='mine:lenght_bonus'"),
-    ("mine:THRESHOLD", "module mine:THRESHOLD is a int, not a function"),
-    ("missing.py:fn", "reward file not found: {d}/missing.py (relative paths start at {d})"),
-    ("notes.txt:fn", "reward file 'notes.txt' must be a .py file"),
-    ("broken.py:f", "loading reward file {d}/broken.py failed (SyntaxError"),
-    ("./mine.py:nope", "./mine.py has no function 'nope'"),
-    ("mine.py:THRESHOLD", "mine.py:THRESHOLD is a int, not a function: point reward.function at a function"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            "gsm8",
+            "unknown reward function 'gsm8' (did you mean gsm8k?): built-ins are answer_em, arithmetic, auto, exact_match, "
+            "gsm8k; for your own use reward.function=my_module:my_fn or reward.function=path/to/file.py:my_fn",
+        ),
+        ("qqqq", "unknown reward function 'qqqq': built-ins are"),
+        ("mine:", "reward.function='mine:' is not MODULE:FUNCTION or FILE.py:FUNCTION"),
+        (":length_bonus", "is not MODULE:FUNCTION or FILE.py:FUNCTION"),
+        ("no_such_mod_xyz:fn", "reward module 'no_such_mod_xyz' not found: install it or add its folder to PYTHONPATH"),
+        ("needs_dep:fn", "importing reward module 'needs_dep' failed (No module named 'not_installed_dep_xyz')"),
+        ("broken:f", "importing reward module 'broken' failed (SyntaxError"),
+        (
+            "mine:lenght_bonus",
+            "module mine has no function 'lenght_bonus' (did you mean length_bonus?): "
+            "it defines length_bonus; fix reward.function='mine:lenght_bonus'",
+        ),
+        ("mine:THRESHOLD", "module mine:THRESHOLD is a int, not a function"),
+        ("missing.py:fn", "reward file not found: {d}/missing.py (relative paths start at {d})"),
+        ("notes.txt:fn", "reward file 'notes.txt' must be a .py file"),
+        ("broken.py:f", "loading reward file {d}/broken.py failed (SyntaxError"),
+        ("./mine.py:nope", "./mine.py has no function 'nope'"),
+        ("mine.py:THRESHOLD", "mine.py:THRESHOLD is a int, not a function: point reward.function at a function"),
+    ],
+)
 def test_resolve_errors(user_files, spec, message):
     with pytest.raises(DataError) as err:
         resolve_reward_fn(spec)
@@ -162,8 +181,13 @@ def test_score_passes_columns(user_files):
     recs = records(["1", "2"], ["a", "b"], [{"level": 1, "ground_truth": "shadowed"}, {"tag": "x"}])
     assert score(fn, ["xy", "z"], recs) == [2.0, 1.0]
     (columns,) = module.CALLS
-    assert columns == {"prompts": ["q0", "q1"], "ground_truth": ["1", "2"], "data_source": ["a", "b"],
-                       "level": [1, None], "tag": [None, "x"]}
+    assert columns == {
+        "prompts": ["q0", "q1"],
+        "ground_truth": ["1", "2"],
+        "data_source": ["a", "b"],
+        "level": [1, None],
+        "tag": [None, "x"],
+    }
 
 
 def test_score_builtin_and_array_results():
@@ -194,15 +218,24 @@ def bad_string(completions, **kw):
     return [1.0, "1"]
 
 
-@pytest.mark.parametrize("fn, message", [
-    (bad_dict, "reward function test_rewards:bad_dict returned {'a': 1.0} (dict): "
-               "it must return a list of 2 numbers, one per completion"),
-    (bad_length, "reward function test_rewards:bad_length returned 1 values for 2 completions: it must return"),
-    (bad_item, "reward function test_rewards:bad_item returned None at index 1 (completion 'b', ground truth '2'): "
-               "it must return a list of 2 numbers, one per completion, each finite"),
-    (bad_nan, "returned nan at index 0"),
-    (bad_string, "returned '1' at index 1"),
-])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (
+            bad_dict,
+            "reward function test_rewards:bad_dict returned {'a': 1.0} (dict): "
+            "it must return a list of 2 numbers, one per completion",
+        ),
+        (bad_length, "reward function test_rewards:bad_length returned 1 values for 2 completions: it must return"),
+        (
+            bad_item,
+            "reward function test_rewards:bad_item returned None at index 1 (completion 'b', ground truth '2'): "
+            "it must return a list of 2 numbers, one per completion, each finite",
+        ),
+        (bad_nan, "returned nan at index 0"),
+        (bad_string, "returned '1' at index 1"),
+    ],
+)
 def test_score_rejects_bad_results(fn, message):
     with pytest.raises(RewardError) as err:
         score(fn, ["a", "b"], records(["1", "2"]))

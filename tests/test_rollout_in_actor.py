@@ -7,14 +7,12 @@ import math
 
 import pytest
 import torch
-
-from cloudrl.trainer.batch import from_wire, update_shards
+from cloudrl.trainer.algo.batch import from_wire, update_shards
 from cloudrl.trainer.config import ConfigError, load_config
 from cloudrl.trainer.driver import train
-from cloudrl.trainer.models import load_causal_lm, load_tokenizer, resolve_path
-from cloudrl.trainer.placement import plan
-from cloudrl.trainer.rollout import HFEngine, SamplingSettings
-
+from cloudrl.trainer.inputs.models import load_causal_lm, load_tokenizer, resolve_path
+from cloudrl.trainer.roles.placement import plan
+from cloudrl.trainer.rollout.engines import HFEngine, SamplingSettings
 from conftest import tiny_overrides
 from test_multinode import _fixed_batch, _policy_group
 
@@ -25,9 +23,20 @@ GREEDY = SamplingSettings(max_new_tokens=6, greedy=True)
 
 def _big_step_setup():
     """A config whose single update visibly changes the samples (lr 0.5), its model and 12 prompts."""
-    cfg = load_config("local", ["placement.rollout_in_actor=true", "actor.lr=0.5", "model.sft_warmup_steps=20",
-                                "data.train_batch_size=8", "rollout.n=4", "actor.mini_batch_size=32",
-                                "actor.micro_batch_size=32", "critic.mini_batch_size=32", "critic.micro_batch_size=32"])
+    cfg = load_config(
+        "local",
+        [
+            "placement.rollout_in_actor=true",
+            "actor.lr=0.5",
+            "model.sft_warmup_steps=20",
+            "data.train_batch_size=8",
+            "rollout.n=4",
+            "actor.mini_batch_size=32",
+            "actor.micro_batch_size=32",
+            "critic.mini_batch_size=32",
+            "critic.micro_batch_size=32",
+        ],
+    )
     model_path = resolve_path(cfg.model.path, cfg)
     tokenizer = load_tokenizer(model_path)
     return cfg, model_path, tokenizer, [tokenizer.encode(f"{a}+{b}=") for a in range(4) for b in range(3)]
@@ -60,9 +69,20 @@ def test_generation_follows_every_update(ray_local):
 
 
 def _run(run_dir, **extra) -> tuple[dict, list[dict]]:
-    cfg = load_config("local", tiny_overrides(run_dir, **{
-        "algorithm.name": "grpo", "placement.rollout_in_actor": "true", "actor.workers_per_node": 2,
-        "actor.fsdp": "false", "trainer.val_every": 1, **extra}))
+    cfg = load_config(
+        "local",
+        tiny_overrides(
+            run_dir,
+            **{
+                "algorithm.name": "grpo",
+                "placement.rollout_in_actor": "true",
+                "actor.workers_per_node": 2,
+                "actor.fsdp": "false",
+                "trainer.val_every": 1,
+                **extra,
+            },
+        ),
+    )
     summary = train(cfg)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summary, rows
@@ -72,7 +92,9 @@ def test_grpo_with_two_generating_actor_ranks(ray_local, tmp_path):
     """Two data-parallel actor ranks each sample half the prompts; no rollout workers, no weight sync.
     Run twice: rewards scored by a reward worker, then in the driver (reward.in_driver); the same
     seeds give the same samples, so both must report the same rewards."""
-    cfg = load_config("local", tiny_overrides(tmp_path, **{"placement.rollout_in_actor": "true", "algorithm.name": "grpo"}))
+    cfg = load_config(
+        "local", tiny_overrides(tmp_path, **{"placement.rollout_in_actor": "true", "algorithm.name": "grpo"})
+    )
     assert [r.role for r in plan(cfg)] == ["actor", "reward"]
     summary, rows = _run(tmp_path / "worker")
     placement = json.loads((tmp_path / "worker" / "placement.json").read_text())
@@ -101,11 +123,14 @@ def test_reward_in_driver_refuses_a_reward_model():
         load_config("local", ["reward.in_driver=true", "reward.model_path=/some/rm"])
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("rollout.engine=vllm", "needs rollout.engine=hf"),
-    ("rollout.num_engines=2", "do not apply with placement.rollout_in_actor=true"),
-    ("rollout.sleep_between_rollouts=true", "rollout.sleep_between_rollouts is for vLLM engines"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("rollout.engine=vllm", "needs rollout.engine=hf"),
+        ("rollout.num_engines=2", "do not apply with placement.rollout_in_actor=true"),
+        ("rollout.sleep_between_rollouts=true", "rollout.sleep_between_rollouts is for vLLM engines"),
+    ],
+)
 def test_settings_that_contradict_it_are_config_errors(override, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config("local", ["placement.rollout_in_actor=true", override])
@@ -115,9 +140,13 @@ def test_fsdp_sharded_gpu_actor_is_refused():
     with pytest.raises(ConfigError, match="set actor.fsdp=false"):
         load_config("local", ["placement.rollout_in_actor=true", "actor.gpus_per_node=2", "actor.micro_batch_size=128"])
     with pytest.raises(ConfigError, match="set actor.fsdp=false"):  # two CPU ranks shard over gloo
-        load_config("local", ["placement.rollout_in_actor=true", "actor.workers_per_node=2", "actor.micro_batch_size=128"])
-    cfg = load_config("local", ["placement.rollout_in_actor=true", "actor.gpus_per_node=2", "actor.fsdp=false",
-                               "actor.micro_batch_size=128"])
+        load_config(
+            "local", ["placement.rollout_in_actor=true", "actor.workers_per_node=2", "actor.micro_batch_size=128"]
+        )
+    cfg = load_config(
+        "local",
+        ["placement.rollout_in_actor=true", "actor.gpus_per_node=2", "actor.fsdp=false", "actor.micro_batch_size=128"],
+    )
     assert "rollout" not in [r.role for r in plan(cfg)]
 
 

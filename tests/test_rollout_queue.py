@@ -10,11 +10,10 @@ import time
 
 import pytest
 import torch
-
-from cloudrl.trainer.batch import to_wire
-from cloudrl.trainer.data import PromptRecord
-from cloudrl.trainer.rollout import Completion, SamplingSettings
-from cloudrl.trainer.rollout_queue import RolloutQueue
+from cloudrl.trainer.algo.batch import to_wire
+from cloudrl.trainer.inputs.data import PromptRecord
+from cloudrl.trainer.rollout.engines import Completion, SamplingSettings
+from cloudrl.trainer.rollout.queue import RolloutQueue
 
 pytestmark = pytest.mark.ray
 
@@ -74,8 +73,9 @@ def test_a_push_waits_for_nothing_and_each_batch_sees_the_weights_pushed_before_
 
     queue.start(2, _prompts(10, 4), settings)  # generates for a second with version 0
     queue.push(ray.put({"version": 1}))
-    assert ray.wait(queue.pending.refs, num_returns=len(queue.pending.refs), timeout=0)[1], \
+    assert ray.wait(queue.pending.refs, num_returns=len(queue.pending.refs), timeout=0)[1], (
         "push waited for the batch in flight"
+    )
     second = queue.take(2, _prompts(10, 4), settings)
     assert second.lag == 1 and {c.token_ids[0] for c in second.completions} == {0}
 

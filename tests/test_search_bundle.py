@@ -18,11 +18,27 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from bundle_netns import free_port
-from dstack_runner import REPO_ROOT, base_env, check_shipped_files, dstack_env, load_task, node_argv, shipped_files, task_env
-from test_bundle_cluster import (GPUS_PER_NODE, LOCAL_ENV, READY, TEST_KNOBS, netns_reason, new_cluster, run_bootstrap,
-                                 run_job)
+from dstack_runner import (
+    REPO_ROOT,
+    base_env,
+    check_shipped_files,
+    dstack_env,
+    load_task,
+    node_argv,
+    shipped_files,
+    task_env,
+)
+from test_bundle_cluster import (
+    GPUS_PER_NODE,
+    LOCAL_ENV,
+    READY,
+    TEST_KNOBS,
+    netns_reason,
+    new_cluster,
+    run_bootstrap,
+    run_job,
+)
 
 TASK_PATH = REPO_ROOT / "tasks" / "ray-cluster-search.dstack.yml"
 INDEX = "/tmp/search-index"  # as the nodes see it: each node's own /tmp (the task mounts a volume there)
@@ -35,7 +51,7 @@ def cluster(tmp_path_factory):
     if netns_reason():
         pytest.skip(f"network namespaces unavailable ({netns_reason()})")
     pytest.importorskip("bm25s")
-    from cloudrl.trainer.retriever_server import build_index
+    from cloudrl.trainer.search.retriever_server import build_index
 
     task = load_task(TASK_PATH)
     check_shipped_files(TASK_PATH, task, REPO_ROOT)
@@ -45,15 +61,24 @@ def cluster(tmp_path_factory):
         cluster.create()
         for rank in range(2):  # each node's index names its node, so an answer shows who gave it
             corpus = work / f"corpus{rank}.jsonl"
-            corpus.write_text(json.dumps({"id": "0", "contents": f"River\nrivers on node {rank}"}) + "\n"
-                              + json.dumps({"id": "1", "contents": "Rock\nbasalt is a rock"}) + "\n")
+            corpus.write_text(
+                json.dumps({"id": "0", "contents": f"River\nrivers on node {rank}"})
+                + "\n"
+                + json.dumps({"id": "1", "contents": "Rock\nbasalt is a rock"})
+                + "\n"
+            )
             build_index(corpus, cluster.node_path(rank, INDEX))
         ips = cluster.ips
         knobs = {**TEST_KNOBS, "CLOUDRL_RETRIEVER_INDEX": INDEX, "CLOUDRL_RETRIEVER_TIMEOUT": "120"}
         token = uuid.uuid4().hex + uuid.uuid4().hex
         started = time.monotonic()
         for rank in range(2):
-            env = {**base_env(), **task_env(task, {**LOCAL_ENV, "RAY_AUTH_TOKEN": token}), **knobs, **dstack_env(rank, ips, GPUS_PER_NODE)}
+            env = {
+                **base_env(),
+                **task_env(task, {**LOCAL_ENV, "RAY_AUTH_TOKEN": token}),
+                **knobs,
+                **dstack_env(rank, ips, GPUS_PER_NODE),
+            }
             cluster.start(rank, node_argv(task, rank), env, files=shipped_files(TASK_PATH, task))
         cluster.nodes[0].wait_for(READY, 150)
         print(f"\n2-node search cluster ready in {time.monotonic() - started:.1f}s")
@@ -64,8 +89,10 @@ def cluster(tmp_path_factory):
 
 
 def health(cluster, rank: int) -> dict:
-    script = ("import json, urllib.request\n"
-              "print(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=5).read().decode())\n")
+    script = (
+        "import json, urllib.request\n"
+        "print(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=5).read().decode())\n"
+    )
     out = cluster.run_in_node(rank, [sys.executable, "-c", script], timeout=30)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -93,10 +120,10 @@ ray.init()
 @ray.remote(num_cpus=0, resources={"retriever": 0.01})
 def search_here(count):
     from cloudrl.trainer.config import load_config
-    from cloudrl.trainer.demo import build_char_tokenizer
-    from cloudrl.trainer.multiturn import TurnLoop, TurnSettings
-    from cloudrl.trainer.retrieval import RetrievalClient
-    from cloudrl.trainer.rollout import Completion
+    from cloudrl.trainer.inputs.demo import build_char_tokenizer
+    from cloudrl.trainer.rollout.multiturn import TurnLoop, TurnSettings
+    from cloudrl.trainer.search.retrieval import RetrievalClient
+    from cloudrl.trainer.rollout.engines import Completion
 
     tok = build_char_tokenizer()
     def policy(contexts, settings):  # first turn: a search; then: an answer
@@ -109,7 +136,7 @@ def search_here(count):
     return ray.util.get_node_ip_address(), search.url, [tok.decode(c.token_ids) for c in out]
 
 def settings_cls():
-    from cloudrl.trainer.rollout import SamplingSettings
+    from cloudrl.trainer.rollout.engines import SamplingSettings
     return SamplingSettings(n=1, max_new_tokens=32)
 
 nodes = sorted((n["NodeManagerAddress"], n["NodeID"], n["Resources"].get("retriever")) for n in ray.nodes() if n["Alive"])
@@ -144,8 +171,13 @@ def test_each_nodes_rollouts_query_their_own_nodes_retriever(cluster):
 
 
 def _bootstrap_with_index(index: str) -> subprocess.CompletedProcess:
-    env = {**dstack_env(1, ["127.0.0.1", "127.0.0.2"], GPUS_PER_NODE), "CLOUDRL_PYTHON": sys.executable, "CLOUDRL_RAY_AUTH": "off",
-           "CLOUDRL_RETRIEVER_INDEX": index, "CLOUDRL_RETRIEVER_PORT": str(free_port())}
+    env = {
+        **dstack_env(1, ["127.0.0.1", "127.0.0.2"], GPUS_PER_NODE),
+        "CLOUDRL_PYTHON": sys.executable,
+        "CLOUDRL_RAY_AUTH": "off",
+        "CLOUDRL_RETRIEVER_INDEX": index,
+        "CLOUDRL_RETRIEVER_PORT": str(free_port()),
+    }
     return run_bootstrap(env, timeout=120)
 
 
@@ -156,7 +188,7 @@ def test_bootstrap_fails_when_the_retriever_cannot_start(tmp_path):
     assert "the retriever exited before answering" in result.stderr
     assert "joining" not in result.stdout
     deadline = time.monotonic() + 10  # a reporter's last `sleep 2` may still be ending
-    while (left := [pid for pid in os.listdir("/proc") if pid.isdigit() and _environ_has(pid, str(tmp_path))]):
+    while left := [pid for pid in os.listdir("/proc") if pid.isdigit() and _environ_has(pid, str(tmp_path))]:
         assert time.monotonic() < deadline, f"the failed bootstrap left processes running: {left}"
         time.sleep(0.5)
 

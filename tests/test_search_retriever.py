@@ -16,9 +16,8 @@ import pytest
 
 bm25s = pytest.importorskip("bm25s")
 
-from cloudrl.trainer.retrieval import RetrievalClient, RetrieverUnavailable  # noqa: E402
-from cloudrl.trainer.retriever_server import (MAX_BODY_BYTES, RetrieverServer, build_index,  # noqa: E402
-                                              load_index)
+from cloudrl.trainer.search.retrieval import RetrievalClient, RetrieverUnavailable  # noqa: E402
+from cloudrl.trainer.search.retriever_server import MAX_BODY_BYTES, RetrieverServer, build_index, load_index  # noqa: E402
 
 CORPUS = [
     {"id": "0", "contents": "Alder\nAlder is a tree that grows near rivers and lakes."},
@@ -80,10 +79,10 @@ def test_retrieve_speaks_search_r1s_shape(server):
 
 def test_bm25_ranking_equals_bm25s_own(server):
     ref = bm25s.BM25()
-    ref.index(bm25s.tokenize([d["contents"] for d in CORPUS], stopwords="en", show_progress=False),
-              show_progress=False)
-    want_ids, want_scores = ref.retrieve(bm25s.tokenize(QUERIES, stopwords="en", show_progress=False),
-                                         k=4, show_progress=False)
+    ref.index(bm25s.tokenize([d["contents"] for d in CORPUS], stopwords="en", show_progress=False), show_progress=False)
+    want_ids, want_scores = ref.retrieve(
+        bm25s.tokenize(QUERIES, stopwords="en", show_progress=False), k=4, show_progress=False
+    )
     _, body = _post(server, {"queries": QUERIES, "topk": 4, "return_scores": True})
     got_ids = [[int(i["document"]["id"]) for i in row] for row in body["result"]]
     got_scores = [[i["score"] for i in row] for row in body["result"]]
@@ -102,13 +101,16 @@ def test_health_counts_queries(server):
     assert health()["queries_served"] == before["queries_served"] + 3
 
 
-@pytest.mark.parametrize("payload, raw, code, words", [
-    (None, b"not json", 400, "not JSON"),
-    ({"queries": "one string"}, None, 400, "list of strings"),
-    ({"queries": ["q"], "topk": 0}, None, 200, None),  # 0/absent: the server's default
-    ({"queries": ["q"], "topk": 500}, None, 400, "from 1 to 100"),
-    ({"queries": ["q"] * 2000}, None, 400, "at most 1024"),
-])
+@pytest.mark.parametrize(
+    "payload, raw, code, words",
+    [
+        (None, b"not json", 400, "not JSON"),
+        ({"queries": "one string"}, None, 400, "list of strings"),
+        ({"queries": ["q"], "topk": 0}, None, 200, None),  # 0/absent: the server's default
+        ({"queries": ["q"], "topk": 500}, None, 400, "from 1 to 100"),
+        ({"queries": ["q"] * 2000}, None, 400, "at most 1024"),
+    ],
+)
 def test_bad_requests_get_one_line(server, payload, raw, code, words):
     got, body = _post(server, payload, raw)
     assert got == code
@@ -170,8 +172,14 @@ class socket_closed_port:
 def _cli(*args, **kw):
     env = dict(os.environ)
     env.pop("CLOUDRL_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "cloudrl.trainer.retriever_server", *args],
-                          capture_output=True, text=True, timeout=120, env=env, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "cloudrl.trainer.search.retriever_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        **kw,
+    )
 
 
 def test_cli_builds_and_serves(tmp_path, index_dir):
@@ -180,8 +188,20 @@ def test_cli_builds_and_serves(tmp_path, index_dir):
     done = _cli("build-index", "--corpus", str(corpus), "--out", str(tmp_path / "idx"))
     assert done.returncode == 0 and "indexed 6 documents (bm25)" in done.stdout
     with socket_closed_port() as port:
-        proc = subprocess.Popen([sys.executable, "-m", "cloudrl.trainer.retriever_server", "serve", "--index",
-                                 str(tmp_path / "idx"), "--port", str(port)], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cloudrl.trainer.search.retriever_server",
+                "serve",
+                "--index",
+                str(tmp_path / "idx"),
+                "--port",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert "retriever serving 6 documents" in proc.stdout.readline()
             client = RetrievalClient(f"http://127.0.0.1:{port}/retrieve", topk=1)
@@ -191,12 +211,15 @@ def test_cli_builds_and_serves(tmp_path, index_dir):
             proc.wait(timeout=10)
 
 
-@pytest.mark.parametrize("content, words", [
-    ('{"id": 1}\n', 'needs a "contents" string'),
-    ("not json\n", "not JSON"),
-    ("", "has no documents"),
-    ('{"contents": "2+2 is 4"}\n', "no word BM25 can index"),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ('{"id": 1}\n', 'needs a "contents" string'),
+        ("not json\n", "not JSON"),
+        ("", "has no documents"),
+        ('{"contents": "2+2 is 4"}\n', "no word BM25 can index"),
+    ],
+)
 def test_cli_bad_corpus_is_one_line(tmp_path, content, words):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(content)
@@ -216,8 +239,7 @@ def test_dense_index_ranks_by_embedding_similarity(tmp_path):
     is searched with the same mean-pooled embeddings, and saved and loaded whole."""
     faiss = pytest.importorskip("faiss")
     import numpy as np
-
-    from cloudrl.trainer.demo import materialize_builtin
+    from cloudrl.trainer.inputs.demo import materialize_builtin
 
     encoder = materialize_builtin("tiny")
     corpus = tmp_path / "c.jsonl"

@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.driver import train
-
 from conftest import serving_retriever, step_metrics, tiny_overrides
 
 pytestmark = pytest.mark.ray
@@ -20,9 +18,21 @@ def test_ppo_steps_with_search_rollouts(ray_local, tmp_path):
     pytest.importorskip("bm25s")
     (tmp_path / "corpus.jsonl").write_text(json.dumps({"contents": "Addition\ntwo plus two makes four"}) + "\n")
     with serving_retriever(tmp_path / "corpus.jsonl", tmp_path / "index") as url:
-        train(load_config("local", tiny_overrides(
-            tmp_path / "run", **{"search.enabled": "true", "search.url": url, "search.max_response_tokens": 64,
-                                 "rollout.max_new_tokens": 8, "trainer.export_hf": "false"})))
+        train(
+            load_config(
+                "local",
+                tiny_overrides(
+                    tmp_path / "run",
+                    **{
+                        "search.enabled": "true",
+                        "search.url": url,
+                        "search.max_response_tokens": 64,
+                        "rollout.max_new_tokens": 8,
+                        "trainer.export_hf": "false",
+                    },
+                ),
+            )
+        )
     steps = step_metrics(tmp_path / "run")
     assert len(steps) == 2
     for row in steps:

@@ -7,15 +7,22 @@ import pickle
 
 import pytest
 import torch
-
-from cloudrl.trainer import ppo_math as pm
-from cloudrl.trainer.batch import build_batch
+from cloudrl.trainer.algo import ppo_math as pm
+from cloudrl.trainer.algo.advantages import compute_advantages
+from cloudrl.trainer.algo.batch import build_batch
 from cloudrl.trainer.config import load_config
-from cloudrl.trainer.advantages import compute_advantages
-from cloudrl.trainer.demo import build_char_tokenizer
-from cloudrl.trainer.multiturn import (INFO_CLOSE, INFO_OPEN, INVALID_CALL, TurnLoop, TurnSettings,
-                                       format_passages, search_call, turn_metrics)
-from cloudrl.trainer.rollout import Completion, Completions, SamplingSettings
+from cloudrl.trainer.inputs.demo import build_char_tokenizer
+from cloudrl.trainer.rollout.engines import Completion, Completions, SamplingSettings
+from cloudrl.trainer.rollout.multiturn import (
+    INFO_CLOSE,
+    INFO_OPEN,
+    INVALID_CALL,
+    TurnLoop,
+    TurnSettings,
+    format_passages,
+    search_call,
+    turn_metrics,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +54,10 @@ class ScriptedPolicy:
         text = script.removesuffix("<eos>")
         cuts = [text.find(s) + len(s) for s in settings.stop if s in text]
         stopped = bool(cuts) or eos
-        text = text[:min(cuts)] if cuts else text
+        text = text[: min(cuts)] if cuts else text
         ids = self.tok.encode(text, add_special_tokens=False) + ([self.tok.eos_token_id] if eos and not cuts else [])
         reason = "stop" if stopped and len(ids) <= settings.max_new_tokens else "length"
-        ids = ids[:settings.max_new_tokens]
+        ids = ids[: settings.max_new_tokens]
         return Completion(ids, [-1.0] * len(ids), reason)
 
 
@@ -65,8 +72,17 @@ class FakeRetriever:
         return [[f"{p} ({q})" for p in self.passages] for q in queries]
 
 
-def _run(tok, scripts, turn=TurnSettings(max_turns=4, max_response_tokens=400, max_obs_tokens=128), n=1,
-         max_new_tokens=64, retriever=None):
+TURNS = TurnSettings(max_turns=4, max_response_tokens=400, max_obs_tokens=128)
+
+
+def _run(
+    tok,
+    scripts,
+    turn=TURNS,
+    n=1,
+    max_new_tokens=64,
+    retriever=None,
+):
     policy, retriever = ScriptedPolicy(tok, scripts), retriever or FakeRetriever()
     loop = TurnLoop(policy.generate, tok, retriever, turn)
     prompts = [tok.encode(p, add_special_tokens=False) for p in scripts]
@@ -96,9 +112,11 @@ def test_observation_appended_and_masked(tok):
 
 
 def test_batched_samples_finish_at_different_turns(tok):
-    scripts = {"A|": ["<answer>1</answer>"],
-               "B|": ["<search>b1</search>", "<search>b2</search>", "<answer>2</answer>"],
-               "C|": ["<search>c1</search>", "<answer>3</answer>"]}
+    scripts = {
+        "A|": ["<answer>1</answer>"],
+        "B|": ["<search>b1</search>", "<search>b2</search>", "<answer>2</answer>"],
+        "C|": ["<search>c1</search>", "<answer>3</answer>"],
+    }
     out, policy, retriever, _ = _run(tok, scripts, n=2)
     assert [c.turns["turns"] for c in out] == [1, 1, 3, 3, 2, 2]  # grouped per prompt, n=2 each
     # one engine call and one retriever request per turn, holding only the samples still running
@@ -114,26 +132,35 @@ def test_batched_samples_finish_at_different_turns(tok):
 
 
 def test_max_turns_leaves_the_last_call_unanswered(tok):
-    out, policy, retriever, _ = _run(tok, {"L|": ["<search>again</search>"] * 10},
-                                     turn=TurnSettings(max_turns=2, max_response_tokens=1000, max_obs_tokens=64))
+    out, policy, retriever, _ = _run(
+        tok,
+        {"L|": ["<search>again</search>"] * 10},
+        turn=TurnSettings(max_turns=2, max_response_tokens=1000, max_obs_tokens=64),
+    )
     (c,) = out
     assert c.turns["searches"] == 2 and c.turns["turns"] == 3
     assert len(retriever.batches) == 2
     assert _text(tok, c.token_ids).endswith("</information>\n<search>again</search>")
-    assert c.loss_mask[-len("<search>again</search>"):] == [1] * len("<search>again</search>")
+    assert c.loss_mask[-len("<search>again</search>") :] == [1] * len("<search>again</search>")
 
 
 def test_length_budget_is_never_exceeded(tok):
     budget = 90
-    out, policy, _, _ = _run(tok, {"L|": ["<search>q</search>", "x" * 200]},
-                             turn=TurnSettings(max_turns=4, max_response_tokens=budget, max_obs_tokens=40))
+    out, policy, _, _ = _run(
+        tok,
+        {"L|": ["<search>q</search>", "x" * 200]},
+        turn=TurnSettings(max_turns=4, max_response_tokens=budget, max_obs_tokens=40),
+    )
     (c,) = out
     assert len(c.token_ids) == budget and c.finish_reason == "length"
     assert c.turns["searches"] == 1
-    assert policy.calls[1][1].max_new_tokens == budget - len(c.token_ids[:c.loss_mask.index(0)]) - 40
+    assert policy.calls[1][1].max_new_tokens == budget - len(c.token_ids[: c.loss_mask.index(0)]) - 40
     # no room for an observation plus one more token: the sample ends after its call instead
-    out, _, retriever, _ = _run(tok, {"S|": ["<search>q</search>", "<answer>a</answer>"]},
-                                turn=TurnSettings(max_turns=4, max_response_tokens=40, max_obs_tokens=32))
+    out, _, retriever, _ = _run(
+        tok,
+        {"S|": ["<search>q</search>", "<answer>a</answer>"]},
+        turn=TurnSettings(max_turns=4, max_response_tokens=40, max_obs_tokens=32),
+    )
     (c,) = out
     assert _text(tok, c.token_ids) == "<search>q</search>" and c.finish_reason == "length"
     assert 0 not in c.loss_mask and c.turns["searches"] == 0  # asked, but never answered
@@ -157,9 +184,12 @@ def test_eos_and_unclosed_turns_end_the_sample(tok):
 
 
 def test_observation_cut_to_max_obs_tokens(tok):
-    out, _, _, loop = _run(tok, {"C|": ["<search>q</search>", "<answer>a</answer>"]},
-                           turn=TurnSettings(max_turns=1, max_response_tokens=400, max_obs_tokens=50),
-                           retriever=FakeRetriever(["long " * 100]))
+    out, _, _, loop = _run(
+        tok,
+        {"C|": ["<search>q</search>", "<answer>a</answer>"]},
+        turn=TurnSettings(max_turns=1, max_response_tokens=400, max_obs_tokens=50),
+        retriever=FakeRetriever(["long " * 100]),
+    )
     (c,) = out
     assert c.turns["observation_tokens"] == 50
     assert _text(tok, c.token_ids).endswith(INFO_CLOSE + "<answer>a</answer>")
@@ -174,8 +204,9 @@ def test_search_call_parsing():
 
 
 def test_completions_cross_processes_with_their_masks():
-    cs = Completions([Completion([1, 2, 3], [-1.0, 0.0, -1.0], "stop", [1, 0, 1], {"turns": 2}),
-                      Completion([4], [-0.5], "length")])
+    cs = Completions(
+        [Completion([1, 2, 3], [-1.0, 0.0, -1.0], "stop", [1, 0, 1], {"turns": 2}), Completion([4], [-0.5], "length")]
+    )
     back = pickle.loads(pickle.dumps(cs))
     assert back == cs
     assert back[0].loss_mask == [1, 0, 1] and back[1].loss_mask is None
@@ -207,10 +238,17 @@ def test_gae_flows_across_observation_gaps_as_in_search_r1():
     values = torch.randn(2, 7) * span
     old_lp, ref_lp = torch.randn(2, 7), torch.randn(2, 7)
     scores = torch.tensor([1.0, 0.0])
-    cfg = load_config("local", ["algorithm.name=ppo", "algorithm.gamma=0.9", "algorithm.lam=0.8",
-                                "algorithm.kl_coef=0.1"])
-    batch = {"response_mask": span, "loss_mask": gen, "values": values.clone(), "old_logprobs": old_lp,
-             "ref_logprobs": ref_lp, "engine_logprobs": old_lp}
+    cfg = load_config(
+        "local", ["algorithm.name=ppo", "algorithm.gamma=0.9", "algorithm.lam=0.8", "algorithm.kl_coef=0.1"]
+    )
+    batch = {
+        "response_mask": span,
+        "loss_mask": gen,
+        "values": values.clone(),
+        "old_logprobs": old_lp,
+        "ref_logprobs": ref_lp,
+        "engine_logprobs": old_lp,
+    }
     metrics = compute_advantages(cfg, batch, scores, 0.1)
 
     # the KL penalty only on generated tokens; the score on the response's last token

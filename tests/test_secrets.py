@@ -9,11 +9,10 @@ the run wrote is searched for them, and so is every output of submit, status, lo
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
 from cli_helpers import SHORT_RUN, cli_cluster, run_cli
 
 pytestmark = pytest.mark.ray
@@ -28,8 +27,13 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
 
 def files_holding(root: Path, secrets: dict[str, bytes]) -> list[str]:
     """'NAME in PATH' for every file under root whose bytes contain a secret's value."""
-    return [f"{name} in {path}" for path in sorted(root.rglob("*")) if path.is_file()
-            for name, value in secrets.items() if value in path.read_bytes()]
+    return [
+        f"{name} in {path}"
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+        for name, value in secrets.items()
+        if value in path.read_bytes()
+    ]
 
 
 def test_env_secrets_reach_no_file_and_no_output(cli: dict[str, str], tmp_path: Path) -> None:
@@ -37,9 +41,25 @@ def test_env_secrets_reach_no_file_and_no_output(cli: dict[str, str], tmp_path: 
     env = {**cli, **values}
     run_dir = tmp_path / "run"
     job = "secrets-stay-secret"
-    submitted = run_cli(["submit", "--local", "--follow", "--name", job, "--env", "WANDB_API_KEY", "--env", "HF_TOKEN",
-                         *SHORT_RUN, "trainer.save_every=1", "trainer.loggers=[console,jsonl,tensorboard]",
-                         f"trainer.run_dir={run_dir}"], env, timeout=400)
+    submitted = run_cli(
+        [
+            "submit",
+            "--local",
+            "--follow",
+            "--name",
+            job,
+            "--env",
+            "WANDB_API_KEY",
+            "--env",
+            "HF_TOKEN",
+            *SHORT_RUN,
+            "trainer.save_every=1",
+            "trainer.loggers=[console,jsonl,tensorboard]",
+            f"trainer.run_dir={run_dir}",
+        ],
+        env,
+        timeout=400,
+    )
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     assert f"job {job} SUCCEEDED" in submitted.stdout
     # The run wrote what there is to search: its config, placement, metrics, checkpoints and event files.
@@ -56,7 +76,11 @@ def test_env_secrets_reach_no_file_and_no_output(cli: dict[str, str], tmp_path: 
         outputs[command[0]] = run_cli([*command, "--local"], env, timeout=60)
         assert outputs[command[0]].returncode == 0, outputs[command[0]].stderr
     assert "step 2/2" in outputs["logs"].stdout  # the logs searched are the job's whole output
-    leaks = [f"{name} in `cloudrl {command}` {stream}" for command, result in outputs.items()
-             for stream in ("stdout", "stderr") for name, value in values.items()
-             if value in getattr(result, stream)]
+    leaks = [
+        f"{name} in `cloudrl {command}` {stream}"
+        for command, result in outputs.items()
+        for stream in ("stdout", "stderr")
+        for name, value in values.items()
+        if value in getattr(result, stream)
+    ]
     assert leaks == []

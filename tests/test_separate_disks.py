@@ -15,7 +15,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from bundle_netns import REPO_ROOT, Cluster, LoopbackCluster, home_dir, private_disk_script
 from test_bundle_cluster import netns_reason, new_cluster
 
@@ -67,8 +66,9 @@ def test_a_file_only_on_the_host_is_on_no_node(cluster, tmp_path):
 def test_what_a_node_writes_to_its_home_and_tmp_stays_on_that_node(cluster):
     name = f"clr-disk-{uuid.uuid4().hex[:8]}"
     # TMPDIR: where the loopback stand-in points a node's /tmp (unset on a netns node).
-    written = in_node(cluster, 1, f'mkdir -p ~/.cache/{name} && echo 1 > ~/.cache/{name}/f && '
-                                  f'echo 1 > "${{TMPDIR:-/tmp}}/{name}"')
+    written = in_node(
+        cluster, 1, f'mkdir -p ~/.cache/{name} && echo 1 > ~/.cache/{name}/f && echo 1 > "${{TMPDIR:-/tmp}}/{name}"'
+    )
     assert written.returncode == 0, written.stderr
     for path in (f"~/.cache/{name}/f", f"/tmp/{name}"):
         assert cluster.node_path(1, path).is_file()
@@ -79,8 +79,10 @@ def test_what_a_node_writes_to_its_home_and_tmp_stays_on_that_node(cluster):
 
 
 def test_every_node_has_the_image_its_working_dir_and_its_own_home(cluster):
-    probe = ("import cloudrl.cli, os, socket\n"
-             "print(os.getcwd(), os.path.expanduser('~'), socket.gethostname(), cloudrl.cli.__file__)\n")
+    probe = (
+        "import cloudrl.cli, os, socket\n"
+        "print(os.getcwd(), os.path.expanduser('~'), socket.gethostname(), cloudrl.cli.__file__)\n"
+    )
     for rank in range(cluster.size):
         result = cluster.run_in_node(rank, [sys.executable, "-c", probe], timeout=60)
         assert result.returncode == 0, result.stderr

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import typer.testing
-
 from cloudrl.cli import shipping
 from cloudrl.cli.app import app
 from cloudrl.cli.errors import CloudrlError
@@ -27,8 +26,9 @@ REWARD = "def score(completions, ground_truth, **kw):\n    return [0.125 for _ i
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A user's directory: a reward file, prompts, a preset, and things that must not be shipped."""
     (tmp_path / "my_reward.py").write_text(REWARD)
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "ground_truth": "1"}) + "\n"
-                                                  for i in range(8)))
+    (tmp_path / "train.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"q{i}", "ground_truth": "1"}) + "\n" for i in range(8))
+    )
     (tmp_path / "my.yaml").write_text("reward:\n  function: my_reward.py:score\ndata:\n  train_files: train.jsonl\n")
     (tmp_path / ".git").mkdir()
     (tmp_path / ".git" / "HEAD").write_text("ref: main\n")
@@ -52,8 +52,12 @@ def test_files_outside_the_current_directory_move_and_the_config_follows(project
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     (elsewhere / "r.py").write_text(REWARD)
     (elsewhere / "val.jsonl").write_text(json.dumps({"prompt": "v", "ground_truth": "2"}) + "\n")
-    upload = plan("my.yaml", f"reward.function={elsewhere / 'r.py'}:score", f"data.val_files={elsewhere / 'val.jsonl'}",
-                  cwd=project)
+    upload = plan(
+        "my.yaml",
+        f"reward.function={elsewhere / 'r.py'}:score",
+        f"data.val_files={elsewhere / 'val.jsonl'}",
+        cwd=project,
+    )
     assert upload.rewrites == {"reward.function": "_external/1/r.py:score", "data.val_files": "_external/2/val.jsonl"}
     assert upload.files["_external/1/r.py"] == (elsewhere / "r.py").resolve()
     # The rewrites go last on the trainer's command line, so they win.
@@ -89,8 +93,9 @@ def test_a_saved_dataset_directory_ships_and_a_hub_dataset_does_not(project: Pat
     saved = project / "data" / "saved"
     saved.mkdir(parents=True)
     (saved / "dataset_dict.json").write_text('{"splits": ["train"]}')
-    upload = plan("my.yaml", "data.val_files=hf:data/saved@train", "data.train_files=hf:openai/gsm8k:main@train",
-                  cwd=project)
+    upload = plan(
+        "my.yaml", "data.val_files=hf:data/saved@train", "data.train_files=hf:openai/gsm8k:main@train", cwd=project
+    )
     assert upload.rewrites == {"data.val_files": "hf:./data/saved@train"}
     assert "data/saved/dataset_dict.json" in upload.files
     with pytest.raises(CloudrlError, match="data.val_files: ./gone not found"):
@@ -111,15 +116,31 @@ def test_workdir_ships_the_tree_minus_ignored_files(project: Path) -> None:
     (project / "keep.log").write_text("kept")
     (project / ".cloudrlignore").write_text("# not code\n*.bin\noutputs/\n*.log\n!keep.log\n")
     upload = plan("my.yaml", cwd=project, workdir=project)
-    assert set(upload.files) == {"my_reward.py", "train.jsonl", "my.yaml", "pkg/__init__.py", "keep.log",
-                                 ".cloudrlignore"}
+    assert set(upload.files) == {
+        "my_reward.py",
+        "train.jsonl",
+        "my.yaml",
+        "pkg/__init__.py",
+        "keep.log",
+        ".cloudrlignore",
+    }
 
 
-@pytest.mark.parametrize("rel, is_dir, expected", [
-    ("a/b/c.pyc", False, True), (".git", True, True), ("src/.git", True, True), ("data.bin", False, True),
-    ("outputs", True, True), ("outputs", False, False), ("docs/outputs.md", False, False), ("top.txt", False, True),
-    ("sub/top.txt", False, False), ("keep.bin", False, False),
-])
+@pytest.mark.parametrize(
+    "rel, is_dir, expected",
+    [
+        ("a/b/c.pyc", False, True),
+        (".git", True, True),
+        ("src/.git", True, True),
+        ("data.bin", False, True),
+        ("outputs", True, True),
+        ("outputs", False, False),
+        ("docs/outputs.md", False, False),
+        ("top.txt", False, True),
+        ("sub/top.txt", False, False),
+        ("keep.bin", False, False),
+    ],
+)
 def test_ignore_rules(rel: str, is_dir: bool, expected: bool) -> None:
     patterns = shipping.ALWAYS_IGNORED + ["*.bin", "outputs/", "/top.txt", "!keep.bin"]
     assert shipping.ignored(rel, is_dir, patterns) is expected
@@ -135,19 +156,24 @@ def test_the_zip_holds_exactly_the_listed_files(project: Path, tmp_path_factory)
         assert zf.read("my_reward.py").decode() == REWARD
 
 
-def test_an_upload_over_the_limit_names_the_big_file(project: Path, tmp_path_factory,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_upload_over_the_limit_names_the_big_file(
+    project: Path, tmp_path_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(shipping, "UPLOAD_LIMIT_BYTES", 4096)
     (project / "train.jsonl").write_bytes(random.Random(0).randbytes(20_000))  # does not compress
-    with pytest.raises(CloudrlError, match=r"over Ray's .* upload limit \(largest: train.jsonl .*put large files "
-                                           r"on a volume or bucket.*nothing was submitted"):
+    with pytest.raises(
+        CloudrlError,
+        match=r"over Ray's .* upload limit \(largest: train.jsonl .*put large files "
+        r"on a volume or bucket.*nothing was submitted",
+    ):
         shipping.write_zip(plan("my.yaml", cwd=project), tmp_path_factory.mktemp("zip") / "job.zip")
 
 
 def test_requirements_and_pip_reach_the_runtime_env(project: Path) -> None:
     (project / "requirements.txt").write_text("# deps\nsympy==1.13\n\nregex  # inline\n")
-    result = runner.invoke(app, ["submit", "--preset", "my.yaml", "--dry-run", "-r", "requirements.txt",
-                                 "--pip", "math-verify"])
+    result = runner.invoke(
+        app, ["submit", "--preset", "my.yaml", "--dry-run", "-r", "requirements.txt", "--pip", "math-verify"]
+    )
     assert result.exit_code == 0, result.output
     assert "pip:\n    packages:\n    - sympy==1.13\n    - regex\n    - math-verify\n" in result.stdout
 
@@ -163,8 +189,9 @@ def test_dry_run_lists_every_file_with_its_size(project: Path) -> None:
     assert "working_dir: <the files below, zipped>" in result.stdout
 
 
-def test_oversized_or_missing_files_fail_in_one_line_before_any_cluster(project: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_oversized_or_missing_files_fail_in_one_line_before_any_cluster(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("CLOUDRL_DEBUG", raising=False)
     # A dead address: had the command got as far as the cluster, the message would be about that instead.
     dead = ["--address", "http://127.0.0.1:9"]

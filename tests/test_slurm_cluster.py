@@ -22,7 +22,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from bundle_netns import netns_unavailable_reason
 from cli_helpers import INTERRUPTIBLE
 from dstack_runner import REPO_ROOT, base_env
@@ -52,15 +51,20 @@ def slurm(tmp_path_factory):
     reason = netns_unavailable_reason() or slurm_unavailable_reason()
     if reason:
         pytest.skip(f"no Slurm test cluster here: {reason}")
-    pytest.importorskip("debugpy", reason="CLOUDRL_DEBUGGER=post-mortem needs debugpy in the image "
-                                          "(pip install debugpy); the nodes have no network to get it")
+    pytest.importorskip(
+        "debugpy",
+        reason="CLOUDRL_DEBUGGER=post-mortem needs debugpy in the image "
+        "(pip install debugpy); the nodes have no network to get it",
+    )
     cluster = SlurmCluster(2, tmp_path_factory.mktemp("slurm"), net=200 + os.getpid() % 50)
     try:
         cluster.create()
         cluster.user_env = {"RAY_AUTH_TOKEN": uuid.uuid4().hex * 2}  # exported before sbatch (docs/slurm.md)
         cluster.start_slurm()
         started = time.monotonic()
-        cluster.job = cluster.sbatch(SBATCH, "--nodes=2", env={**KNOBS, "CLOUDRL_RUNS_DIR": str(cluster.shared / "runs")})
+        cluster.job = cluster.sbatch(
+            SBATCH, "--nodes=2", env={**KNOBS, "CLOUDRL_RUNS_DIR": str(cluster.shared / "runs")}
+        )
         cluster.wait_output(cluster.job, READY, 180)
         ready = [line for line in cluster.job_output(cluster.job).splitlines() if "cluster ready:" in line]
         print(f"\nsbatch to cluster ready: {time.monotonic() - started:.1f}s; {ready}")
@@ -75,8 +79,10 @@ def test_sbatch_brings_up_one_ray_node_per_slurm_node(slurm):
     assert re.findall(READY, out) == [("2", "0")], out[-4000:]
     # Each node learnt its rank, the node count and the head from Slurm's environment.
     for rank in range(2):
-        assert (f"[cloudrl rank {rank}] Slurm job {slurm.job} on node-{rank}: node {rank} of 2, 0 GPU(s), "
-                f"head {slurm.ips[0]}") in out, out[-4000:]
+        assert (
+            f"[cloudrl rank {rank}] Slurm job {slurm.job} on node-{rank}: node {rank} of 2, 0 GPU(s), "
+            f"head {slurm.ips[0]}"
+        ) in out, out[-4000:]
     assert f"joining as worker {slurm.ips[1]}" in out
     assert slurm.job_state(slurm.job) == "RUNNING"
 
@@ -106,14 +112,24 @@ def test_cloudrl_submit_pins_roles_to_node_resources_and_succeeds(slurm, tmp_pat
 
     def cloudrl(*args: str) -> subprocess.CompletedProcess:
         # The user's machine at the end of the dashboard tunnel: the head's network, the host's files.
-        return slurm.exec(0, ["sh", "-c", 'cd "$0" && exec "$@"', str(tmp_path), CLOUDRL, *args], timeout=120,
-                          env=env)
+        return slurm.exec(0, ["sh", "-c", 'cd "$0" && exec "$@"', str(tmp_path), CLOUDRL, *args], timeout=120, env=env)
 
     pin = "{trainer_node: 1}"
-    run = cloudrl("submit", "--preset", "local", "--name", "pinned", "trainer.total_steps=2",
-                  "model.sft_warmup_steps=0", "trainer.val_every=0", "trainer.save_every=0",
-                  f"actor.resources={pin}", f"critic.resources={pin}", f"reference.resources={pin}",
-                  "rollout.resources={rollout_node: 1}")
+    run = cloudrl(
+        "submit",
+        "--preset",
+        "local",
+        "--name",
+        "pinned",
+        "trainer.total_steps=2",
+        "model.sft_warmup_steps=0",
+        "trainer.val_every=0",
+        "trainer.save_every=0",
+        f"actor.resources={pin}",
+        f"critic.resources={pin}",
+        f"reference.resources={pin}",
+        "rollout.resources={rollout_node: 1}",
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     deadline = time.monotonic() + 360
     while True:
@@ -129,16 +145,20 @@ def test_cloudrl_submit_pins_roles_to_node_resources_and_succeeds(slurm, tmp_pat
         head = cloudrl("logs", "--node", str(rank)).stdout
         node_ip, node_id = re.match(r"# node \d \(([\d.]+), id (\w+)\)", head).groups()
         ip_of[node_id] = node_ip
-    placed = {role: ip_of.get(node) for role, node in
-              re.findall(r"^placement: (\w+): \d+ worker\(s\) on node\(s\) (\w+)$", log, re.M)}
+    placed = {
+        role: ip_of.get(node)
+        for role, node in re.findall(r"^placement: (\w+): \d+ worker\(s\) on node\(s\) (\w+)$", log, re.M)
+    }
     assert placed.get("actor") == placed.get("critic") == slurm.ips[0], (placed, log[-6000:])
     assert placed.get("rollout") == slurm.ips[1], (placed, log[-6000:])
     # The run landed under CLOUDRL_RUNS_DIR, on the shared filesystem.
     assert (slurm.shared / "runs" / "runs" / "local" / "metrics.jsonl").is_file()
 
 
-@pytest.mark.skipif(not Path(SSHD).exists() or not shutil.which("ssh"), reason="no sshd/ssh client here "
-                    "(apt-get install -y openssh-server openssh-client)")
+@pytest.mark.skipif(
+    not Path(SSHD).exists() or not shutil.which("ssh"),
+    reason="no sshd/ssh client here (apt-get install -y openssh-server openssh-client)",
+)
 def test_dashboard_from_the_laptop_through_the_login_node(slurm, tmp_path):
     # sshd on the login node and on the head, as a site has them; the laptop reaches only the login node
     # (it runs in the login node's network here: the bridge has no uplink to the host). The hop is a
@@ -148,22 +168,53 @@ def test_dashboard_from_the_laptop_through_the_login_node(slurm, tmp_path):
     (tmp_path / "authorized_keys").write_text((tmp_path / "client_key.pub").read_text())
     port = slurm.start_sshd(slurm.login, tmp_path)
     slurm.start_sshd(0, tmp_path)
-    common = ["-o", f"IdentityFile={tmp_path / 'client_key'}", "-o", "IdentitiesOnly=yes",
-              "-o", "UserKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=no", "-o", "LogLevel=ERROR"]
+    common = [
+        "-o",
+        f"IdentityFile={tmp_path / 'client_key'}",
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "UserKnownHostsFile=/dev/null",
+        "-o",
+        "StrictHostKeyChecking=no",
+        "-o",
+        "LogLevel=ERROR",
+    ]
     hop = shlex.join(["ssh", *common, "-p", str(port), "-W", "%h:%p", f"root@{slurm.ips[slurm.login]}"])
-    args = [CLOUDRL, "dashboard", "--ssh", f"root@{slurm.ips[0]}", "--port", "0", "-o", f"Port={port}",
-            "-o", f"ProxyCommand={hop}", *common]
+    args = [
+        CLOUDRL,
+        "dashboard",
+        "--ssh",
+        f"root@{slurm.ips[0]}",
+        "--port",
+        "0",
+        "-o",
+        f"Port={port}",
+        "-o",
+        f"ProxyCommand={hop}",
+        *common,
+    ]
     env = {**base_env(), **client_env(slurm)}
     laptop = ["ip", "netns", "exec", slurm.ns[slurm.login]]
-    proc = subprocess.Popen(laptop + args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, **INTERRUPTIBLE)
+    proc = subprocess.Popen(
+        laptop + args,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **INTERRUPTIBLE,
+    )
     try:
         first = proc.stdout.readline()  # the URL line comes once the dashboard answers through ssh
-        assert first.startswith(f"Ray dashboard of root@{slurm.ips[0]}: http://127.0.0.1:"), (
-            first + (proc.stderr.read() if proc.poll() is not None else ""))
+        assert first.startswith(f"Ray dashboard of root@{slurm.ips[0]}: http://127.0.0.1:"), first + (
+            proc.stderr.read() if proc.poll() is not None else ""
+        )
         url = first.split(": ", 1)[1].split()[0]
-        listed = subprocess.run(laptop + [CLOUDRL, "list", "--address", url], env=env, capture_output=True,
-                                text=True, timeout=60)
+        listed = subprocess.run(
+            laptop + [CLOUDRL, "list", "--address", url], env=env, capture_output=True, text=True, timeout=60
+        )
         assert listed.returncode == 0 and "SUCCEEDED" in listed.stdout, listed.stdout + listed.stderr
     finally:
         os.killpg(proc.pid, signal.SIGINT)

@@ -1,4 +1,4 @@
-"""Models on every node (trainer/staging.py): fingerprints, shipping a directory, the hub cache.
+"""Models on every node (trainer/roles/staging.py): fingerprints, shipping a directory, the hub cache.
 
 The pieces run here in-process and on one real Ray node; tests/test_user_job_cluster.py runs the
 whole thing on two simulated nodes that each have their own disk.
@@ -10,9 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from cloudrl.trainer import staging
 from cloudrl.trainer.errors import ModelLoadError
+from cloudrl.trainer.roles import staging
 
 
 @pytest.fixture
@@ -40,8 +39,9 @@ def test_fingerprint_sees_names_sizes_and_small_files(model_dir: Path, tmp_path:
     assert staging.fingerprint(tmp_path / "bigger") != base
 
 
-def test_a_shipped_directory_lands_once_in_the_node_cache(model_dir: Path, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_shipped_directory_lands_once_in_the_node_cache(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("CLOUDRL_CACHE", str(tmp_path / "node-cache"))
     expected = staging.fingerprint(model_dir)
     # A node whose disk lacks the path: nothing found, then the copy is found.

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests
 import typer.testing
-
 from cli_helpers import SHORT_RUN, serve
 from cloudrl.cli.app import app
 from conftest import local_cluster
@@ -70,13 +69,15 @@ def job_ids(url: str) -> list[str]:
 def test_job_created_before_the_connection_broke_is_removed(cluster_url: str, tmp_path: Path) -> None:
     job = "dropped-reply"
     with reply_dropping_proxy(cluster_url, refuse_after=False) as (proxy, seen):
-        result = runner.invoke(app, ["submit", "--address", proxy, "--name", job, *SHORT_RUN,
-                                     f"trainer.run_dir={tmp_path / 'run'}"])
+        result = runner.invoke(
+            app, ["submit", "--address", proxy, "--name", job, *SHORT_RUN, f"trainer.run_dir={tmp_path / 'run'}"]
+        )
     assert seen.get("created") == 200  # the cluster did create the job; only its reply was lost
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == [
         f"error: submitting to {proxy} failed (ConnectionError); no job was left behind: check the connection "
-        f"and submit again"]
+        f"and submit again"
+    ]
     assert job not in job_ids(cluster_url)
     assert requests.get(f"{cluster_url}/api/jobs/{job}", timeout=10).status_code == 404
     listed = runner.invoke(app, ["list", "--address", cluster_url])
@@ -87,13 +88,15 @@ def test_unreachable_cluster_after_the_drop_is_not_called_clean(cluster_url: str
     job = "dropped-then-gone"
     try:
         with reply_dropping_proxy(cluster_url, refuse_after=True) as (proxy, seen):
-            result = runner.invoke(app, ["submit", "--address", proxy, "--name", job, *SHORT_RUN,
-                                         f"trainer.run_dir={tmp_path / 'run'}"])
+            result = runner.invoke(
+                app, ["submit", "--address", proxy, "--name", job, *SHORT_RUN, f"trainer.run_dir={tmp_path / 'run'}"]
+            )
         assert seen.get("created") == 200
         assert result.exit_code == 1
         assert result.stderr.strip().splitlines() == [
             f"error: submitting to {proxy} failed (ConnectionError), and whether job '{job}' was created could not "
-            f"be confirmed: run `cloudrl list --address {proxy}` and `cloudrl stop {job} --address {proxy}`"]
+            f"be confirmed: run `cloudrl list --address {proxy}` and `cloudrl stop {job} --address {proxy}`"
+        ]
         assert job in job_ids(cluster_url)  # the line was right not to promise anything
     finally:  # the job this test left on purpose must not run on under later tests
         runner.invoke(app, ["stop", job, "--address", cluster_url])

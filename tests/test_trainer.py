@@ -12,12 +12,10 @@ import time
 
 import pytest
 import torch
-
-from cloudrl.trainer import checkpoint
 from cloudrl.trainer.config import ALGORITHMS, load_config
 from cloudrl.trainer.driver import train
-from cloudrl.trainer.models import load_causal_lm, resolve_path
-
+from cloudrl.trainer.inputs.models import load_causal_lm, resolve_path
+from cloudrl.trainer.state import checkpoint
 from conftest import REPO, run_trainer, tiny_overrides
 
 pytestmark = pytest.mark.ray
@@ -65,18 +63,31 @@ def test_exported_model_loads_with_plain_transformers(ray_local, tmp_path):
 # instead. GRPO runs without its division by the group's standard deviation: with 0/1 rewards that scales
 # the advantages up to ~3x, which at this learning rate knocks the tiny model off its answer format.
 # reinforce_pp runs with its KL term in the loss (k3), so that path is exercised too.
-REWARD_RISES = {"data.arithmetic_max_operand": 2, "trainer.total_steps": 20, "trainer.val_every": 0,
-                "trainer.save_every": 0, "trainer.loggers": "[jsonl]", "data.train_batch_size": 16, "rollout.n": 8,
-                "actor.mini_batch_size": 32, "actor.micro_batch_size": 32,
-                "critic.mini_batch_size": 32, "critic.micro_batch_size": 32}
+REWARD_RISES = {
+    "data.arithmetic_max_operand": 2,
+    "trainer.total_steps": 20,
+    "trainer.val_every": 0,
+    "trainer.save_every": 0,
+    "trainer.loggers": "[jsonl]",
+    "data.train_batch_size": 16,
+    "rollout.n": 8,
+    "actor.mini_batch_size": 32,
+    "actor.micro_batch_size": 32,
+    "critic.mini_batch_size": 32,
+    "critic.micro_batch_size": 32,
+}
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_each_algorithm_trains_every_parameter_and_raises_the_reward(ray_local, tmp_path, algorithm):
     """Every step's losses are finite, every parameter of the policy (and with PPO of the critic) moves,
     and the reward rises: a sign error or a swapped estimator still changes every parameter."""
-    overrides = {**REWARD_RISES, "algorithm.name": algorithm, "trainer.run_dir": tmp_path,
-                 "trainer.save_every": REWARD_RISES["trainer.total_steps"]}
+    overrides = {
+        **REWARD_RISES,
+        "algorithm.name": algorithm,
+        "trainer.run_dir": tmp_path,
+        "trainer.save_every": REWARD_RISES["trainer.total_steps"],
+    }
     if algorithm == "grpo":
         overrides["algorithm.grpo_norm_by_std"] = "false"
     if algorithm == "reinforce_pp":  # exercise the KL loss term too
@@ -95,7 +106,7 @@ def test_each_algorithm_trains_every_parameter_and_raises_the_reward(ray_local, 
     unchanged = [n for n, p in after.named_parameters() if torch.equal(p, before[n])]
     assert not unchanged, f"parameters the update never touched: {unchanged}"
     if algorithm == "ppo":  # the critic trained as well
-        from cloudrl.trainer.models import load_value_model
+        from cloudrl.trainer.inputs.models import load_value_model
 
         critic = checkpoint.read_full(checkpoint.latest(tmp_path), "critic")["model"]
         fresh = dict(load_value_model(resolve_path(cfg.model.path, cfg)).named_parameters())
@@ -120,17 +131,26 @@ def test_kill_and_resume_matches_uninterrupted_run(ray_local, tmp_path):
 
     crashed = tmp_path / "crashed"
     env = {"RAY_ADDRESS": ray_local, "PYTHONUNBUFFERED": "1"}
-    args = [sys.executable, "-m", "cloudrl.trainer", "--preset", "local",
-            *tiny_overrides(crashed, **{**common, "trainer.total_steps": 50})]
+    args = [
+        sys.executable,
+        "-m",
+        "cloudrl.trainer",
+        "--preset",
+        "local",
+        *tiny_overrides(crashed, **{**common, "trainer.total_steps": 50}),
+    ]
     log = tmp_path / "crashed.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            args, cwd=REPO, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         deadline = time.time() + 300
         while not checkpoint.list_checkpoints(str(crashed)) and time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        assert checkpoint.list_checkpoints(str(crashed)), f"no checkpoint in time; driver log:\n{log.read_text()[-3000:]}"
+        assert checkpoint.list_checkpoints(str(crashed)), (
+            f"no checkpoint in time; driver log:\n{log.read_text()[-3000:]}"
+        )
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -166,8 +186,14 @@ def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", crash_midway)
     with pytest.raises(checkpoint.CheckpointError, match="saving checkpoint"):
-        checkpoint.save(run_dir, 2, {"actor": {"w": torch.zeros(2)}, "critic": {"w": torch.zeros(2)}},
-                        {"step": 2}, "a: 1\n", keep_last=2)
+        checkpoint.save(
+            run_dir,
+            2,
+            {"actor": {"w": torch.zeros(2)}, "critic": {"w": torch.zeros(2)}},
+            {"step": 2},
+            "a: 1\n",
+            keep_last=2,
+        )
     monkeypatch.setattr(torch, "save", real_save)
     assert checkpoint.latest(run_dir) == first
     assert [p.name for p in checkpoint.checkpoint_root(run_dir).iterdir()] == ["step_000001"]
@@ -203,14 +229,21 @@ def test_bad_input_is_one_clear_line(tmp_path, overrides, expected):
 def test_dataset_without_prompt_column(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
-    result = run_trainer("--preset", "local", f"trainer.run_dir={tmp_path}", f"data.train_files={data}",
-                         "reward.function=exact_match", timeout=120)
+    result = run_trainer(
+        "--preset",
+        "local",
+        f"trainer.run_dir={tmp_path}",
+        f"data.train_files={data}",
+        "reward.function=exact_match",
+        timeout=120,
+    )
     assert result.returncode == 1
     assert "data.prompt_key" in result.stderr and "question" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_debug_variable_shows_the_traceback(tmp_path):
-    result = run_trainer("--preset", "local", f"trainer.run_dir={tmp_path}", "actor.lrr=1",
-                         env={"CLOUDRL_DEBUG": "1"}, timeout=120)
+    result = run_trainer(
+        "--preset", "local", f"trainer.run_dir={tmp_path}", "actor.lrr=1", env={"CLOUDRL_DEBUG": "1"}, timeout=120
+    )
     assert result.returncode != 0 and "Traceback" in result.stderr

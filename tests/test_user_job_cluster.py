@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_bundle_cluster import READY, client_env, dashboard_port, kind, new_cluster, start_node, task  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,9 +97,10 @@ def test_readme_walk_runs_the_users_reward_and_data_on_both_nodes(cluster, user_
     assert logged == pytest.approx(rewards, rel=1e-3)
 
 
-def test_a_model_directory_and_a_package_only_on_the_users_machine_reach_every_node(cluster, user_dir: Path,
-                                                                         tmp_path_factory) -> None:
-    from cloudrl.trainer.demo import materialize_builtin
+def test_a_model_directory_and_a_package_only_on_the_users_machine_reach_every_node(
+    cluster, user_dir: Path, tmp_path_factory
+) -> None:
+    from cloudrl.trainer.inputs.demo import materialize_builtin
 
     # The user's model: a directory outside the job's directory, on the user's machine only.
     own = tmp_path_factory.mktemp("user-models") / "tiny-mine"
@@ -114,9 +114,21 @@ def test_a_model_directory_and_a_package_only_on_the_users_machine_reach_every_n
     # And the reward as a module of the user's own package, shipped with --workdir.
     (user_dir / "scoring").mkdir(exist_ok=True)
     (user_dir / "scoring" / "__init__.py").write_text("from my_reward import closeness  # noqa: F401\n")
-    run = cloudrl(cluster, user_dir, "submit", "--preset", "my-job.yaml", "--follow", "--workdir", ".",
-                  f"model.path={own}", "model.sft_warmup_steps=0", "trainer.total_steps=2",
-                  "trainer.run_dir=runs/own-model", "reward.function=scoring:closeness")
+    run = cloudrl(
+        cluster,
+        user_dir,
+        "submit",
+        "--preset",
+        "my-job.yaml",
+        "--follow",
+        "--workdir",
+        ".",
+        f"model.path={own}",
+        "model.sft_warmup_steps=0",
+        "trainer.total_steps=2",
+        "trainer.run_dir=runs/own-model",
+        "reward.function=scoring:closeness",
+    )
     log = run.stdout + run.stderr
     assert run.returncode == 0 and "SUCCEEDED" in log, log[-6000:]
     assert f"  path: _external/1/{own.name}\n" in log  # the config was pointed at the shipped copy
@@ -132,7 +144,8 @@ def test_a_missing_file_or_an_oversized_upload_submits_nothing(cluster, user_dir
     assert missing.returncode == 1
     assert missing.stderr.strip().splitlines() == [
         f"error: data.train_files: typo.jsonl not found (relative to {user_dir}): fix the path; a file that exists "
-        f"only on the cluster must be given as an absolute path (e.g. /checkpoints/...)"]
+        f"only on the cluster must be given as an absolute path (e.g. /checkpoints/...)"
+    ]
     big = user_dir / "big.jsonl"
     with open(big, "wb") as f:  # random bytes do not compress: over the 100 MiB limit once zipped
         for _ in range(101):

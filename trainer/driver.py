@@ -18,30 +18,30 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint
-from .advantages import compute_advantages
-from . import ppo_math as pm
-from .batch import build_batch, split_batch, update_shards
-from .cluster import connect, preflight
+from .algo import ppo_math as pm
+from .algo.advantages import compute_advantages
+from .algo.batch import build_batch, split_batch, update_shards
 from .config import Config
-from .data import PromptLoader, PromptRecord
-from .inputs import Inputs, prepare
+from .inputs.data import PromptLoader, PromptRecord
+from .inputs.prepare import Inputs, prepare
+from .inputs.rewards import score_responses
 from .metrics import MetricsLogger, Timer, combine, format_summary, print_sample
-from .rewards import score_responses
-from .multiturn import turn_metrics
-from .rollout import SamplingSettings
-from .rollout_queue import RolloutQueue, Rollouts
 from .recovery import StopRequest, run_with_restarts
-from .run_dir import record_start
-from .shards import load_roles, save_roles
-from .storage import fetch_checkpoint, upload_if_configured
+from .roles.cluster import connect, preflight
+from .rollout.engines import SamplingSettings
+from .rollout.multiturn import turn_metrics
+from .rollout.queue import RolloutQueue, Rollouts
+from .state import checkpoint
+from .state.run_dir import record_start
+from .state.shards import load_roles, save_roles
+from .state.storage import fetch_checkpoint, upload_if_configured
 from .waiting import get_all, worker_errors
 
 
 def train(cfg: Config) -> dict:
     """Run the whole training job and return its summary."""
-    from .placement import plan
-    from .roles import launch_roles
+    from .roles.launch import launch_roles
+    from .roles.placement import plan
 
     requests = plan(cfg)  # what each role asks of the cluster, decided here once
     started_ray = connect(cfg, requests)
@@ -57,8 +57,9 @@ def train(cfg: Config) -> dict:
                 return Trainer(cfg, roles, inputs, restarts, stop).fit()
 
             # A lost worker or node: roles restarted from the latest checkpoint (recovery.py).
-            return run_with_restarts(cfg, requests, inputs,
-                                     lambda: launch_roles(cfg, requests, inputs.model_path, inputs.critic_path), run)
+            return run_with_restarts(
+                cfg, requests, inputs, lambda: launch_roles(cfg, requests, inputs.model_path, inputs.critic_path), run
+            )
     finally:
         if started_ray:
             import ray
@@ -101,13 +102,20 @@ class Trainer:
         self.reward_fn = inputs.reward_fn if cfg.reward.in_driver else None
         self.loader = PromptLoader(inputs.train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
         a = cfg.algorithm
-        self.kl_ctl = (pm.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target > 0
-                       else pm.FixedKLController(a.kl_coef))
+        self.kl_ctl = (
+            pm.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
+            if a.kl_target > 0
+            else pm.FixedKLController(a.kl_coef)
+        )
         self.history = History()
         self.step = 0
         self.last_step_end = 0.0  # perf_counter when the last step was finished (finish_step)
-        self.rollouts = RolloutQueue(roles.rollout.workers, roles.rollout.labels(), cfg.trainer.worker_timeout_s,
-                                     None if cfg.reward.in_driver else roles.reward.workers)
+        self.rollouts = RolloutQueue(
+            roles.rollout.workers,
+            roles.rollout.labels(),
+            cfg.trainer.worker_timeout_s,
+            None if cfg.reward.in_driver else roles.reward.workers,
+        )
         self.gpu_weight_sync = self.open_gpu_weight_sync()
 
     # ------------------------------------------------------------------------------------------
@@ -164,17 +172,20 @@ class Trainer:
             self.start_next_rollout()
             completions = got.completions
             records = [p for p in prompts for _ in range(n)]
-            batch = build_batch([r.prompt_ids for r in records], [c.token_ids for c in completions],
-                                self.tokenizer.pad_token_id, [c.logprobs for c in completions],
-                                [c.loss_mask for c in completions])
+            batch = build_batch(
+                [r.prompt_ids for r in records],
+                [c.token_ids for c in completions],
+                self.tokenizer.pad_token_id,
+                [c.logprobs for c in completions],
+                [c.loss_mask for c in completions],
+            )
             if cfg.rollout.sleep_between_rollouts:
                 ray.get([e.sleep.remote() for e in roles.rollout.workers])
 
         # ---- 2. Rewards (scored by the reward workers as the engines finished, or here).
         with timer("reward"):
             scores = self.score(got, records)
-        print_sample(self.step, records[0].prompt_text, self.tokenizer, completions[0].token_ids,
-                     float(scores[0]))
+        print_sample(self.step, records[0].prompt_text, self.tokenizer, completions[0].token_ids, float(scores[0]))
 
         # ---- 3. Log-probs of the sampling policy, the reference, and the critic's values.
         mask = batch["response_mask"]
@@ -183,18 +194,21 @@ class Trainer:
         with timer("ref"):
             if not on_policy:
                 parts = split_batch(model_inputs, roles.actor.world_size)
-                batch["old_logprobs"] = torch.cat(ray.get(
-                    [w.logprobs.remote(part) for w, part in zip(roles.actor.workers, parts) if part.size]))
+                batch["old_logprobs"] = torch.cat(
+                    ray.get([w.logprobs.remote(part) for w, part in zip(roles.actor.workers, parts) if part.size])
+                )
             if cfg.uses_reference:
                 group = roles.reference or roles.actor  # the reference lives in the actor by default
                 parts = split_batch(model_inputs, group.world_size)
-                batch["ref_logprobs"] = torch.cat(ray.get(
-                    [w.ref_logprobs.remote(part) for w, part in zip(group.workers, parts) if part.size]))
+                batch["ref_logprobs"] = torch.cat(
+                    ray.get([w.ref_logprobs.remote(part) for w, part in zip(group.workers, parts) if part.size])
+                )
         with timer("values"):
             if cfg.uses_critic:
                 parts = split_batch(model_inputs, roles.critic.world_size)
-                batch["values"] = torch.cat(ray.get(
-                    [w.values.remote(part) for w, part in zip(roles.critic.workers, parts) if part.size]))
+                batch["values"] = torch.cat(
+                    ray.get([w.values.remote(part) for w, part in zip(roles.critic.workers, parts) if part.size])
+                )
 
         # ---- 4. Advantages (pure torch, ppo_math).
         with timer("adv"):
@@ -213,7 +227,10 @@ class Trainer:
         if cfg.uses_critic:
             shards, norms = update_shards(
                 batch.only("input_ids", "attention_mask", "response_mask", "values", "returns"),
-                roles.critic.world_size, cfg.critic, self.update_seed)
+                roles.critic.world_size,
+                cfg.critic,
+                self.update_seed,
+            )
             critic_refs = [w.update.remote(shard, norms) for w, shard in zip(roles.critic.workers, shards)]
 
         # ---- 6. Push the new policy weights to every engine (no disk round trip): each loads them
@@ -226,16 +243,18 @@ class Trainer:
         reward_mean = float(scores.mean())
         self.history.first_reward = self.history.first_reward if self.history.first_reward is not None else reward_mean
         self.history.last_reward = reward_mean
-        metrics.update({
-            "timing/rollout_wait": got.waited_s,
-            "rollout/reward_mean": reward_mean,
-            "rollout/reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
-            "rollout/response_length": float(mask.sum(-1).mean()),
-            "rollout/truncated": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "rollout/policy_lag": got.lag,
-            "actor/kl_coef": kl_coef,
-            "trainer/restarts": self.restarts,
-        })
+        metrics.update(
+            {
+                "timing/rollout_wait": got.waited_s,
+                "rollout/reward_mean": reward_mean,
+                "rollout/reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
+                "rollout/response_length": float(mask.sum(-1).mean()),
+                "rollout/truncated": sum(c.finish_reason == "length" for c in completions) / len(completions),
+                "rollout/policy_lag": got.lag,
+                "actor/kl_coef": kl_coef,
+                "trainer/restarts": self.restarts,
+            }
+        )
         metrics.update(turn_metrics(completions))
         return Launched(self.step, metrics, timer, started, sent, actor_refs, critic_refs, float(mask.sum()))
 
@@ -280,8 +299,7 @@ class Trainer:
         (and so do the importance weights against the sampler's log-probs, workers.PolicyWorker)."""
         cfg = self.cfg
         needs_old = cfg.uses_reference and cfg.algorithm.kl_mode == "reward"
-        return (cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size == cfg.rollout_batch_size
-                and not needs_old)
+        return cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size == cfg.rollout_batch_size and not needs_old
 
     def sampling(self, step: int) -> SamplingSettings:
         return SamplingSettings.from_config(self.cfg.rollout, seed=self.cfg.trainer.seed * 100_003 + step)
@@ -314,13 +332,19 @@ class Trainer:
         import ray
 
         cfg, actor = self.cfg, self.roles.actor
-        engines_on_gpu = cfg.rollout.gpus_per_engine > 0 or cfg.rollout.tensor_parallel_size > 1 or cfg.placement.colocate_all
+        engines_on_gpu = (
+            cfg.rollout.gpus_per_engine > 0 or cfg.rollout.tensor_parallel_size > 1 or cfg.placement.colocate_all
+        )
         on_cuda = actor.where()[0]["device"].startswith("cuda")
         if not (cfg.rollout.engine == "vllm" and cfg.actor.gpus_per_node > 0 and engines_on_gpu and on_cuda):
             return False
         addr, port = ray.get(actor.workers[0].master_address.remote())
-        get_all([w.open_weight_sync.remote(self.roles.rollout.workers, addr, port) for w in actor.workers],
-                actor.labels(), cfg.trainer.worker_timeout_s, f"opening the weight sync with the engines at {addr}:{port}")
+        get_all(
+            [w.open_weight_sync.remote(self.roles.rollout.workers, addr, port) for w in actor.workers],
+            actor.labels(),
+            cfg.trainer.worker_timeout_s,
+            f"opening the weight sync with the engines at {addr}:{port}",
+        )
         return True
 
     def sync_weights(self, after: list = ()) -> dict[str, float]:
@@ -349,8 +373,12 @@ class Trainer:
         timings = self.rollouts.push(weights[0], weights[1:], actor.labels()[1:])
         if asleep:
             timings = self.rollouts.settle()
-            get_all([e.wake_kv_cache.remote() for e in rollout.workers], rollout.labels(), timeout,
-                    "allocating the engines' KV cache")
+            get_all(
+                [e.wake_kv_cache.remote() for e in rollout.workers],
+                rollout.labels(),
+                timeout,
+                "allocating the engines' KV cache",
+            )
         return timings
 
     def validate(self) -> dict:
@@ -358,17 +386,28 @@ class Trainer:
         settings = SamplingSettings.from_config(self.cfg.rollout, seed=0, greedy=True)
         scores, size = [], self.cfg.data.val_batch_size
         for start in range(0, len(records), size):
-            chunk = records[start:start + size]
+            chunk = records[start : start + size]
             scores.append(self.score(self.rollouts.generate(chunk, settings), chunk))
         return {"val/reward_mean": float(torch.cat(scores).mean())}
 
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """Every rank writes its own shards (shards.py); the driver adds its own state, atomically."""
-        state = {"step": self.step, "data": self.loader.state_dict(), "kl": self.kl_ctl.state_dict(),
-                 "history": self.history.__dict__}
-        path = checkpoint.save(self.cfg.trainer.run_dir, self.step, {}, state, self.cfg.to_yaml(), self.cfg.trainer.keep_last,
-                               write_shards=lambda tmp: save_roles(self.roles, tmp, self.cfg.trainer.worker_timeout_s))
+        state = {
+            "step": self.step,
+            "data": self.loader.state_dict(),
+            "kl": self.kl_ctl.state_dict(),
+            "history": self.history.__dict__,
+        }
+        path = checkpoint.save(
+            self.cfg.trainer.run_dir,
+            self.step,
+            {},
+            state,
+            self.cfg.to_yaml(),
+            self.cfg.trainer.keep_last,
+            write_shards=lambda tmp: save_roles(self.roles, tmp, self.cfg.trainer.worker_timeout_s),
+        )
         return upload_if_configured(path, self.cfg.trainer)  # trainer.checkpoint_uri: a copy off the instance
 
     def maybe_resume(self) -> None:
@@ -391,10 +430,17 @@ class Trainer:
         export = str(run_dir / "hf_model") if cfg.trainer.export_hf else None
         if export:
             ray.get([w.export_hf.remote(export) for w in self.roles.actor.workers])
-        summary = {"steps": self.step, "resumed_from": h.resumed_from, "val_reward_before_rl": h.val_before,
-                   "val_reward_after_rl": h.val_last, "rollout_reward_first": h.first_reward,
-                   "rollout_reward_last": h.last_reward, "checkpoint": str(last_ckpt) if last_ckpt else None,
-                   "exported_model": export, "metrics": str(run_dir / "metrics.jsonl")}
+        summary = {
+            "steps": self.step,
+            "resumed_from": h.resumed_from,
+            "val_reward_before_rl": h.val_before,
+            "val_reward_after_rl": h.val_last,
+            "rollout_reward_first": h.first_reward,
+            "rollout_reward_last": h.last_reward,
+            "checkpoint": str(last_ckpt) if last_ckpt else None,
+            "exported_model": export,
+            "metrics": str(run_dir / "metrics.jsonl"),
+        }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(format_summary(summary), flush=True)
         return summary

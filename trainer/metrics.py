@@ -17,8 +17,17 @@ import sys
 import time
 from pathlib import Path
 
-CONSOLE_KEYS = ("rollout/reward_mean", "val/reward_mean", "rollout/response_length", "actor/pg_loss",
-                "actor/approx_kl", "actor/entropy", "critic/vf_loss", "critic/explained_var", "perf/tokens_per_s")
+CONSOLE_KEYS = (
+    "rollout/reward_mean",
+    "val/reward_mean",
+    "rollout/response_length",
+    "actor/pg_loss",
+    "actor/approx_kl",
+    "actor/entropy",
+    "critic/vf_loss",
+    "critic/explained_var",
+    "perf/tokens_per_s",
+)
 
 
 class MetricsLogger:
@@ -70,18 +79,25 @@ class MetricsLogger:
 
 def _start_wandb(cfg):
     if not os.environ.get("WANDB_API_KEY"):
-        print("warning: trainer.loggers has wandb but WANDB_API_KEY is not set; pass it with "
-              "`cloudrl submit --env WANDB_API_KEY`. Logging to W&B is off.", file=sys.stderr)
+        print(
+            "warning: trainer.loggers has wandb but WANDB_API_KEY is not set; pass it with "
+            "`cloudrl submit --env WANDB_API_KEY`. Logging to W&B is off.",
+            file=sys.stderr,
+        )
         return None
     try:
         import wandb
     except ImportError:
-        print("warning: trainer.loggers has wandb but the wandb package is missing (pip install wandb); "
-              "logging to W&B is off.", file=sys.stderr)
+        print(
+            "warning: trainer.loggers has wandb but the wandb package is missing (pip install wandb); "
+            "logging to W&B is off.",
+            file=sys.stderr,
+        )
         return None
     # The key stays in the environment, where wandb reads it; it is never printed or saved.
-    return wandb.init(project=cfg.trainer.wandb_project or "cloudrl", config=cfg.to_dict(),
-                      dir=cfg.trainer.run_dir, resume="allow")
+    return wandb.init(
+        project=cfg.trainer.wandb_project or "cloudrl", config=cfg.to_dict(), dir=cfg.trainer.run_dir, resume="allow"
+    )
 
 
 class Timer:
@@ -135,11 +151,17 @@ def _fmt(x) -> str:
 
 
 def format_summary(s: dict) -> str:
-    lines = ["summary:", f"  steps:            {s['steps']}" + (f" (resumed at step {s['resumed_from']})"
-                                                              if s["resumed_from"] else "")]
-    lines.append(f"  val reward:       {_fmt(s['val_reward_before_rl'])} before RL -> {_fmt(s['val_reward_after_rl'])} "
-                 f"after (greedy, held-out prompts)")
-    lines.append(f"  rollout reward:   {_fmt(s['rollout_reward_first'])} first step -> {_fmt(s['rollout_reward_last'])} last step")
+    lines = [
+        "summary:",
+        f"  steps:            {s['steps']}" + (f" (resumed at step {s['resumed_from']})" if s["resumed_from"] else ""),
+    ]
+    lines.append(
+        f"  val reward:       {_fmt(s['val_reward_before_rl'])} before RL -> {_fmt(s['val_reward_after_rl'])} "
+        f"after (greedy, held-out prompts)"
+    )
+    lines.append(
+        f"  rollout reward:   {_fmt(s['rollout_reward_first'])} first step -> {_fmt(s['rollout_reward_last'])} last step"
+    )
     lines.append(f"  checkpoint:       {s['checkpoint']}")
     lines.append(f"  exported model:   {s['exported_model'] or 'off (trainer.export_hf=false)'}")
     lines.append(f"  metrics:          {s['metrics']}")

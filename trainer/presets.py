@@ -34,8 +34,10 @@ def preset_path(preset: str) -> Path:
     if path.suffix in (".yaml", ".yml"):
         if path.exists():
             return path
-        raise ConfigError(f"preset file {preset} does not exist: check the path, or use a preset name "
-                          f"({', '.join(available_presets())})")
+        raise ConfigError(
+            f"preset file {preset} does not exist: check the path, or use a preset name "
+            f"({', '.join(available_presets())})"
+        )
     candidate = PRESET_DIR / f"{preset}.yaml"
     if candidate.is_file():
         return candidate
@@ -48,11 +50,13 @@ def read_preset(path: Path) -> dict[str, Any]:
     """The preset file's top-level mapping."""
     data = parse_yaml(_read_text(path), where=str(path), fix="fix the file")
     if data is None:
-        raise ConfigError(f"{path}: the preset is empty: add sections like `actor:` with keys under them, "
-                          f"or use --preset local")
+        raise ConfigError(
+            f"{path}: the preset is empty: add sections like `actor:` with keys under them, or use --preset local"
+        )
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a preset must be a mapping of sections like `actor:`; "
-                          f"this one is a {type(data).__name__}")
+        raise ConfigError(
+            f"{path}: a preset must be a mapping of sections like `actor:`; this one is a {type(data).__name__}"
+        )
     return data
 
 
@@ -63,8 +67,10 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not KEY=VALUE: write it like {EXAMPLE}")
     if value.startswith("="):  # `key==1`: a typo far more often than a value that starts with '='
-        raise ConfigError(f"override {item!r} has '==': write KEY=VALUE with one '=', like {EXAMPLE} "
-                          f"(quote a value that starts with '=': {key}='={value[1:]}')")
+        raise ConfigError(
+            f"override {item!r} has '==': write KEY=VALUE with one '=', like {EXAMPLE} "
+            f"(quote a value that starts with '=': {key}='={value[1:]}')"
+        )
     if not value.strip():
         return key, ""
     return key, parse_yaml(value, where=f"override {item!r}", fix=f"quote the value, e.g. {key}='...'")
@@ -114,8 +120,9 @@ def _check_unique_keys(node: yaml.Node, prefix: str, seen: set[int]) -> None:
             continue  # `<<:` merges are YAML's own way to override keys
         key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
         if key in first_line:
-            raise yaml.MarkedYAMLError(problem=f"{key!r} is written twice, first at line {first_line[key]}",
-                                       problem_mark=key_node.start_mark)
+            raise yaml.MarkedYAMLError(
+                problem=f"{key!r} is written twice, first at line {first_line[key]}", problem_mark=key_node.start_mark
+            )
         first_line[key] = line
         _check_unique_keys(value_node, f"{key}.", seen)
 
@@ -134,11 +141,15 @@ def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except IsADirectoryError:
-        raise ConfigError(f"{path} is a directory, not a preset: pass a .yaml file, or a preset name "
-                          f"({', '.join(available_presets())})") from None
+        raise ConfigError(
+            f"{path} is a directory, not a preset: pass a .yaml file, or a preset name "
+            f"({', '.join(available_presets())})"
+        ) from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}): "
-                          f"pass a YAML preset saved as UTF-8") from None
+        raise ConfigError(
+            f"{path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}): "
+            f"pass a YAML preset saved as UTF-8"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"{path} cannot be read ({exc.strerror or exc}): check its permissions") from None
 
@@ -174,8 +185,10 @@ def apply_mapping(cfg: Any, data: dict, source: str, prefix: str = "") -> None:
             if value is None:  # `actor:` with nothing under it
                 continue
             first = all_keys(_lookup(cfg, key))[0]
-            raise ConfigError(f"`{key}:` is a section ({source}) and takes keys, not {value!r}: "
-                              f"indent them under it, e.g. `{key}: {{{first}: ...}}`")
+            raise ConfigError(
+                f"`{key}:` is a section ({source}) and takes keys, not {value!r}: "
+                f"indent them under it, e.g. `{key}: {{{first}: ...}}`"
+            )
         if isinstance(value, dict) and not _is_dict_field(cfg, key):
             apply_mapping(cfg, value, source, f"{key}.")
         else:

@@ -19,14 +19,24 @@ import signal
 import threading
 import time
 
-from . import checkpoint
 from .errors import RecoveryFailed, Stopped, first_line
+from .state import checkpoint
 
 # A collective whose peer process died: gloo and NCCL report it in these words.
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
-             "remote process exited or there was a network error")
-WORKER_ROLES = {"PolicyWorker": "actor", "CriticWorker": "critic", "ReferenceWorker": "reference",
-                "RewardWorker": "reward", "RolloutWorker": "rollout"}
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "remote process exited or there was a network error",
+)
+WORKER_ROLES = {
+    "PolicyWorker": "actor",
+    "CriticWorker": "critic",
+    "ReferenceWorker": "reference",
+    "RewardWorker": "reward",
+    "RolloutWorker": "rollout",
+}
 RESUME_BY_HAND = "resubmit the same config with trainer.resume=auto to continue from the latest checkpoint"
 
 
@@ -39,7 +49,7 @@ class StopRequest:
         self.requested = False
         self._previous = None
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
         return self
@@ -88,7 +98,9 @@ def describe_dead_actor(exc: BaseException, roles) -> str:
     if label is None:
         cls = re.search(r"class_name: (\w+)", text)
         ip = re.search(r"\bip: ([\w.:]+)", text)
-        label = (WORKER_ROLES.get(cls.group(1), cls.group(1)) if cls else "a worker") + (f" on {ip.group(1)}" if ip else "")
+        label = (WORKER_ROLES.get(cls.group(1), cls.group(1)) if cls else "a worker") + (
+            f" on {ip.group(1)}" if ip else ""
+        )
     dead = re.search(r"The actor is dead because ([^\n]*)", text)
     unreachable = re.search(r"is unavailable.*?RPC error: (.*?)(?: rpc_code|\. The task|\n|$)", text)
     if dead:
@@ -122,8 +134,8 @@ def find_dead_worker(roles, timeout_s: float = 30.0) -> str | None:
 def wait_for_capacity(requests, wait_s: float) -> None:
     """Until the cluster can hold every role request again (a replacement node has joined), or
     RecoveryFailed after `wait_s` seconds with the placement check's own words."""
-    from .cluster import preflight
-    from .placement import ClusterTooSmall
+    from .roles.cluster import preflight
+    from .roles.placement import ClusterTooSmall
 
     deadline = time.monotonic() + wait_s
     while True:
@@ -132,16 +144,18 @@ def wait_for_capacity(requests, wait_s: float) -> None:
             return
         except ClusterTooSmall as exc:
             if time.monotonic() >= deadline:
-                raise RecoveryFailed(f"the cluster did not get back the capacity the run needs within "
-                                     f"trainer.restart_wait_s={wait_s:g}s ({exc}); once it has, "
-                                     f"{RESUME_BY_HAND}") from None
+                raise RecoveryFailed(
+                    f"the cluster did not get back the capacity the run needs within "
+                    f"trainer.restart_wait_s={wait_s:g}s ({exc}); once it has, "
+                    f"{RESUME_BY_HAND}"
+                ) from None
         time.sleep(2.0)
 
 
 def run_with_restarts(cfg, requests, inputs, launch, run) -> dict:
     """Start the roles (`launch()`), train (`run(roles, restarts)`), always shut the roles down, and
     after a lost worker or node start again from the latest checkpoint, up to trainer.max_restarts times."""
-    from .inputs import open_resume
+    from .inputs.prepare import open_resume
 
     restarts = 0
     while True:
@@ -154,11 +168,16 @@ def run_with_restarts(cfg, requests, inputs, launch, run) -> dict:
             if lost is None:
                 raise
             if restarts >= cfg.trainer.max_restarts:
-                raise RecoveryFailed(f"lost {lost}; no restart left (trainer.max_restarts={cfg.trainer.max_restarts}): "
-                                     f"fix the cluster, then {RESUME_BY_HAND}") from exc
+                raise RecoveryFailed(
+                    f"lost {lost}; no restart left (trainer.max_restarts={cfg.trainer.max_restarts}): "
+                    f"fix the cluster, then {RESUME_BY_HAND}"
+                ) from exc
             restarts += 1
-            print(f"lost {lost}; restarting the roles from the latest checkpoint "
-                  f"(restart {restarts} of trainer.max_restarts={cfg.trainer.max_restarts})", flush=True)
+            print(
+                f"lost {lost}; restarting the roles from the latest checkpoint "
+                f"(restart {restarts} of trainer.max_restarts={cfg.trainer.max_restarts})",
+                flush=True,
+            )
         finally:
             if roles is not None:
                 roles.shutdown()

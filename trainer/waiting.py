@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from .errors import TrainerError, WorkerTimeout
 
 
-def get_all(refs: list, labels: list[str], timeout_s: float, what: str,
-            setting: str = "trainer.worker_timeout_s") -> list:
+def get_all(
+    refs: list, labels: list[str], timeout_s: float, what: str, setting: str = "trainer.worker_timeout_s"
+) -> list:
     """`ray.get(refs)`, or WorkerTimeout naming every call still running after `timeout_s` seconds.
     A call that failed raises as soon as it ends, without waiting for the others (a critic that
     cannot load does not wait for a large policy to finish loading elsewhere)."""
@@ -35,7 +36,8 @@ def get_all(refs: list, labels: list[str], timeout_s: float, what: str,
         raise WorkerTimeout(
             f"{what}: no answer from {', '.join(late)} within {setting}={timeout_s:g}s; the process may "
             f"be stuck on the network (NCCL_SOCKET_IFNAME, firewalled ports) or dead: read its log "
-            f"(`ray logs` or the dashboard), fix that, or raise {setting}")
+            f"(`ray logs` or the dashboard), fix that, or raise {setting}"
+        )
     return [results[ref] for ref in refs]
 
 

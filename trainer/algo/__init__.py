@@ -1,0 +1,1 @@
+"""The PPO math, advantages and batch layout: pure torch, no Ray."""

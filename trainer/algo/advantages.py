@@ -1,0 +1,57 @@
+"""A step's advantages from its samples, rewards, log-probs and values: the driver's part of the
+math (pure torch, through ppo_math), kept apart from the loop that calls it."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Config
+from . import ppo_math as pm
+from .batch import Batch
+
+
+def compute_advantages(cfg: Config, batch: Batch, scores: torch.Tensor, kl_coef: float) -> dict:
+    """Fill `batch` with the advantages (and returns, importance weights) of one step's samples;
+    returns their metrics."""
+    alg = cfg.algorithm
+    mask, n = batch["response_mask"], cfg.rollout.n
+    gen = batch.get("loss_mask", mask)  # generated tokens (multi-turn: GAE spans observations, KL does not)
+    metrics: dict[str, float] = {}
+    kl = None
+    if "ref_logprobs" in batch and "old_logprobs" in batch:
+        kl = pm.kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * gen
+        metrics["actor/kl"] = float(pm.masked_mean(kl, gen))
+        metrics["actor/kl_seq"] = float(kl.sum(-1).mean())
+    in_reward = kl is not None and alg.kl_mode == "reward"
+    if "old_logprobs" in batch:
+        metrics["rollout/logprob_diff"] = float(
+            pm.masked_mean((batch["old_logprobs"] - batch["engine_logprobs"]).abs(), gen)
+        )
+        if cfg.corrects_logprobs:  # importance weights: current policy over the sampling one, capped
+            ratio = torch.exp(batch["old_logprobs"] - batch["engine_logprobs"])
+            cap = cfg.rollout.logprob_correction_cap
+            batch["is_weights"] = ratio.clamp(max=cap) * gen
+            metrics["rollout/is_weight_mean"] = float(pm.masked_mean(ratio, gen))
+            metrics["rollout/is_weight_capped"] = float(pm.masked_mean((ratio > cap).float(), gen))
+    rewards = pm.token_level_rewards(scores, mask, kl if in_reward else None, kl_coef if in_reward else 0.0)
+    seq_scores = scores - kl_coef * kl.sum(-1) if in_reward else scores
+    if alg.name == "ppo":
+        advantages, returns = pm.gae_advantages(rewards, batch["values"], mask, alg.gamma, alg.lam)
+        metrics["critic/explained_var"] = pm.explained_variance(batch["values"], returns, mask)
+        metrics["critic/values_mean"] = float(pm.masked_mean(batch["values"], mask))
+        batch["returns"] = returns
+        if alg.whiten_advantages and mask.sum() >= 2:
+            advantages = pm.masked_whiten(advantages, mask)
+    elif alg.name == "grpo":
+        advantages = pm.broadcast_to_tokens(pm.grpo_advantages(seq_scores, n, alg.grpo_norm_by_std), mask)
+    elif alg.name == "rloo":
+        advantages = pm.broadcast_to_tokens(pm.rloo_advantages(seq_scores, n), mask)
+    elif alg.name == "reinforce_pp":
+        advantages = pm.reinforce_pp_advantages(rewards, mask, alg.gamma)
+    elif alg.name == "reinforce_pp_baseline":
+        advantages = pm.reinforce_pp_baseline_advantages(seq_scores, mask, n)
+    else:  # the config's Literal type admits no other name
+        raise ValueError(f"no advantage estimator for algorithm.name={alg.name!r}")
+    batch["advantages"] = advantages * mask
+    metrics["actor/advantages_mean"] = float(pm.masked_mean(advantages, mask))
+    return metrics

@@ -1,0 +1,395 @@
+"""The math of PPO, GRPO, RLOO and REINFORCE++ for LLMs, as pure torch functions.
+
+Read top to bottom in the order a training step uses it: log-probs and entropy from logits,
+KL estimators, token-level rewards, advantages, the policy and value losses, diagnostics,
+and the KL-coefficient controllers. Nothing here knows about Ray, models or tokenizers.
+
+Conventions
+  B = sequences in the batch, T = padded response length, V = vocabulary size.
+  mask [B, T] (bool or 0/1 float) is 1 on real response tokens and 0 on padding. Responses are
+  right-padded and may be empty (length 0). Padded positions of every input are ignored, even
+  when they hold inf or nan, and every [B, T] output is 0 on padding.
+
+Loss aggregation and `normalizer`
+  Every loss is a token mean: sum over valid tokens / normalizer, with normalizer = mask.sum()
+  by default. When a mini-batch is split into micro-batches (gradient accumulation) and
+  across data-parallel ranks, pass the GLOBAL number of valid tokens in the mini-batch as
+  `normalizer` on every micro-batch: the accumulated gradient is then exactly the gradient of
+  the mean over all the mini-batch's tokens, whatever the micro-batch sizes. If the
+  data-parallel wrapper AVERAGES gradients over W ranks (DDP and FSDP do), pass
+  global_tokens / W instead, so the average of the ranks' sums is again the global mean.
+"""
+
+import torch
+
+# ----------------------------------------------------------------------------------------------
+# Masked statistics
+# ----------------------------------------------------------------------------------------------
+
+
+def masked_sum(x, mask, dim=None):
+    """Sum of x over entries where mask is 1. x, mask: same shape; dim=None sums everything."""
+    x = torch.where(mask.bool(), x, 0)
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x over entries where mask is 1: sum(x*m) / sum(m).
+
+    A slice with no valid entry (an empty response when dim=-1) gives 0, not nan.
+    """
+    m = mask.bool()
+    count = m.sum() if dim is None else m.sum(dim)
+    total = masked_sum(x, m, dim)
+    return torch.where(count > 0, total / count.clamp(min=1), 0)
+
+
+def masked_var(x, mask, unbiased=True):
+    """Variance of x over all valid entries (a 0-dim tensor), with Bessel's correction if unbiased.
+
+    Raises ValueError when fewer than 2 (unbiased) or 1 (biased) entries are valid, rather than
+    returning a nan that would silently poison the advantages. (This reads one number back
+    from the device.)
+    """
+    m = mask.bool()
+    n = int(m.sum())
+    if n < (2 if unbiased else 1):
+        raise ValueError(f"masked_var needs at least {2 if unbiased else 1} valid entries, got {n}")
+    mean = masked_mean(x, m)
+    var = masked_sum((x - mean) ** 2, m) / n
+    return var * n / (n - 1) if unbiased else var
+
+
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+    """(x - mean) / sqrt(var + eps) over the valid entries; 0 on padding.
+
+    Statistics are taken over all valid entries together (the whole batch), unbiased variance.
+    shift_mean=False adds the mean back: only the scale changes.
+    """
+    m = mask.bool()
+    mean, var = masked_mean(x, m), masked_var(x, m)
+    white = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        white = white + mean
+    return torch.where(m, white, 0)
+
+
+def broadcast_to_tokens(seq_values, mask):
+    """[B] -> [B, T]: out[b, t] = seq_values[b] on valid tokens, 0 on padding."""
+    return torch.where(mask.bool(), seq_values.unsqueeze(-1), 0).to(seq_values.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# From logits: log-probs of the sampled tokens and entropy
+# ----------------------------------------------------------------------------------------------
+
+
+def logprobs_from_logits(logits, tokens):
+    """log pi(token) = z[token] - logsumexp(z).  logits [B, T, V], tokens [B, T] (int) -> [B, T].
+
+    Gathers one logit per position instead of materialising log_softmax: the backward pass
+    keeps no extra [B, T, V] tensor. Pass float32 logits for float32 accuracy.
+    """
+    picked = logits.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits):
+    """H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v.  logits [B, T, V] -> [B, T].
+
+    Written with logsumexp so that large logits do not overflow.
+    """
+    p = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# KL between the policy and the reference, from tokens sampled by the policy
+# ----------------------------------------------------------------------------------------------
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logprobs, ref_logprobs, estimator="k1"):
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi.  [B, T] each -> [B, T].
+
+    With log r = log pi_ref - log pi (Schulman, "Approximating KL Divergence", 2020):
+      k1 = -log r                unbiased, high variance, can be negative
+      k2 = 0.5 * (log r)^2       biased, low variance, >= 0
+      k3 = (r - 1) - log r       unbiased, low variance, >= 0; log r clamped to [-20, 20]
+    Padding is not masked here: mask the result (e.g. token_level_rewards does).
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    log_r = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    log_r = log_r.clamp(-20.0, 20.0)
+    return torch.exp(log_r) - 1 - log_r
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards and advantages
+# ----------------------------------------------------------------------------------------------
+
+
+def _last_token_onehot(mask):
+    """[B, T] bool, True at the last valid token of each response (all False if it is empty)."""
+    m = mask.bool()
+    positions = torch.arange(1, m.shape[-1] + 1, device=m.device)
+    last = (positions * m).amax(-1) - 1  # -1 for an empty response
+    return positions - 1 == last.unsqueeze(-1)
+
+
+def token_level_rewards(scores, mask, kl=None, kl_coef=0.0):
+    """r[b, t] = scores[b] * [t is the last valid token] - kl_coef * kl[b, t] * mask[b, t].
+
+    scores [B], mask [B, T], kl [B, T] or None -> [B, T]. The KL penalty in the reward follows
+    Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences"). An empty
+    response gets no reward at all.
+    """
+    m = mask.bool()
+    rewards = torch.where(_last_token_onehot(m), scores.unsqueeze(-1), 0).to(scores.dtype)
+    if kl is not None:
+        rewards = rewards - kl_coef * torch.where(m, kl, 0)
+    return rewards
+
+
+def gae_advantages(rewards, values, mask, gamma=1.0, lam=0.95):
+    """Generalized Advantage Estimation (Schulman et al. 2016).  [B, T] each -> (adv, returns).
+
+      delta_t = r_t + gamma * V_{t+1} - V_t,     V after the last valid token = 0 (episode ends)
+      A_t     = delta_t + gamma * lam * A_{t+1}
+      returns = A + V   (the value-function target)
+    Both outputs are 0 on padding. Not whitened: see masked_whiten.
+    A Python loop over T (each step vectorised over B), as in CleanRL; it is cheap next to a
+    forward pass.
+    """
+    m = mask.bool()
+    # Zeroing padding makes the value after the last token 0 and, with right padding, keeps
+    # A = 0 on every padded position, so no per-step masking is needed inside the loop.
+    rewards, values = torch.where(m, rewards, 0), torch.where(m, values, 0)
+    adv = torch.zeros_like(values)
+    next_value = next_adv = torch.zeros_like(values[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_adv = delta + gamma * lam * next_adv
+        next_value = values[:, t]
+        adv[:, t] = next_adv
+    return torch.where(m, adv, 0), torch.where(m, adv + values, 0)
+
+
+def discounted_returns(rewards, mask, gamma=1.0):
+    """Reward-to-go G_t = r_t + gamma * G_{t+1}, G = 0 after the last valid token.  [B, T] -> [B, T]."""
+    m = mask.bool()
+    rewards = torch.where(m, rewards, 0)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return torch.where(m, returns, 0)
+
+
+def _grouped(scores, group_size, method):
+    """[B] -> [B / group_size, group_size], groups being consecutive blocks, with clear errors."""
+    if scores.dim() != 1:
+        raise ValueError(f"{method}: scores must be 1-D [B], got shape {tuple(scores.shape)}")
+    if group_size < 2:
+        raise ValueError(
+            f"{method} needs group_size >= 2 (samples per prompt), got {group_size}: "
+            "with one sample the baseline equals the score and every advantage is 0"
+        )
+    if scores.shape[0] % group_size:
+        raise ValueError(
+            f"{method}: batch size {scores.shape[0]} is not divisible by group_size {group_size}; "
+            "the batch must hold group_size consecutive samples for each prompt"
+        )
+    return scores.view(-1, group_size)
+
+
+def grpo_advantages(scores, group_size, norm_by_std=True, eps=1e-6):
+    """A_i = (s_i - mean(group)) / (std(group) + eps), std unbiased.  scores [B] -> [B].
+
+    GRPO (Shao et al. 2024, "DeepSeekMath"). norm_by_std=False keeps only the mean baseline
+    (Dr. GRPO, Liu et al. 2025). A group of identical scores gives 0.
+    """
+    g = _grouped(scores, group_size, "GRPO")
+    adv = g - g.mean(-1, keepdim=True)
+    if norm_by_std:
+        adv = adv / (g.std(-1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+def rloo_advantages(scores, group_size):
+    """A_i = s_i - mean_{j != i} s_j over the group.  scores [B] -> [B].
+
+    REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics").
+    """
+    g = _grouped(scores, group_size, "RLOO")
+    others_mean = (g.sum(-1, keepdim=True) - g) / (group_size - 1)
+    return (g - others_mean).reshape(-1)
+
+
+def reinforce_pp_advantages(rewards, mask, gamma=1.0):
+    """REINFORCE++ (Hu 2025): A = whiten(discounted_returns(r)) over the batch's valid tokens.
+
+    rewards [B, T] are token-level and already carry the KL penalty (token_level_rewards).
+    """
+    return masked_whiten(discounted_returns(rewards, mask, gamma), mask)
+
+
+def reinforce_pp_baseline_advantages(scores, mask, group_size, eps=1e-6):
+    """REINFORCE++-baseline (Hu 2025): A = whiten(broadcast(s_i - mean(group))) over valid tokens.
+
+    scores [B], mask [B, T] -> [B, T]. Whitening is over tokens, so long responses weigh more.
+    """
+    g = _grouped(scores, group_size, "REINFORCE++-baseline")
+    centred = (g - g.mean(-1, keepdim=True)).reshape(-1)
+    return masked_whiten(broadcast_to_tokens(centred, mask), mask, eps=eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# Losses
+# ----------------------------------------------------------------------------------------------
+
+
+def aggregate_loss(per_token_loss, mask, normalizer=None):
+    """Token mean: sum over valid tokens / normalizer (default mask.sum()).  [B, T] -> 0-dim.
+
+    See the module docstring for the global `normalizer`. An empty batch gives 0 (not nan)
+    with the default normalizer.
+    """
+    if normalizer is None:
+        normalizer = mask.bool().sum().clamp(min=1)
+    elif not torch.is_tensor(normalizer) and normalizer <= 0:
+        raise ValueError(f"normalizer must be > 0 (a count of valid tokens), got {normalizer}")
+    return masked_sum(per_token_loss, mask) / normalizer
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None, normalizer=None):
+    """Clipped surrogate policy loss.  logprobs, old_logprobs, advantages, mask: [B, T].
+
+      ratio = exp(logp - logp_old)
+      L_t   = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))   PPO (Schulman 2017);
+              clip_high > clip_low is DAPO's "clip-higher" (Yu et al. 2025)
+      L_t   = min(L_t, -dual_clip * A)  where A < 0                            dual clip (Ye et al. 2020)
+      loss  = aggregate_loss(L, mask, normalizer)
+
+    Returns (loss, stats); stats holds python floats over the valid tokens:
+      clipfrac       fraction where the clipped branch is the one taken
+      dual_clipfrac  fraction where the dual-clip bound is the one taken
+      approx_kl      mean of k3 = (ratio - 1) - log ratio, the estimate of KL(pi_old || pi)
+                     from tokens sampled by pi_old (as in CleanRL)
+    """
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1 (typically 3), or None to disable it; got {dual_clip}")
+    m = mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs, 0)
+    advantages = torch.where(m, advantages, 0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    losses = torch.maximum(unclipped, clipped)
+    dual_taken = torch.zeros_like(m)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual_taken = (advantages < 0) & (losses > bound)
+        losses = torch.where(dual_taken, bound, losses)
+    loss = aggregate_loss(losses, m, normalizer)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > unclipped).float(), m).item(),
+            "dual_clipfrac": masked_mean(dual_taken.float(), m).item(),
+            "approx_kl": masked_mean(ratio - 1 - log_ratio, m).item(),
+        }
+    return loss, stats
+
+
+def value_loss(values, old_values, returns, mask, clip_range=0.2, normalizer=None):
+    """Clipped value loss.  values, old_values, returns, mask: [B, T].
+
+      V_clip = old_V + clip(V - old_V, -clip_range, clip_range)
+      L_t    = 0.5 * max((V - R)^2, (V_clip - R)^2)          (PPO2 baselines; clip_range=None: no clip)
+      loss   = aggregate_loss(L, mask, normalizer)
+    Returns (loss, stats) with stats["vf_clipfrac"]: fraction of valid tokens where the clipped
+    branch is the one taken.
+    """
+    m = mask.bool()
+    unclipped = (values - returns) ** 2
+    losses, clipfrac = unclipped, 0.0
+    if clip_range is not None:
+        v_clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        clipped = (v_clipped - returns) ** 2
+        losses = torch.maximum(unclipped, clipped)
+        with torch.no_grad():
+            clipfrac = masked_mean((clipped > unclipped).float(), m).item()
+    return aggregate_loss(0.5 * losses, m, normalizer), {"vf_clipfrac": clipfrac}
+
+
+# ----------------------------------------------------------------------------------------------
+# Diagnostics
+# ----------------------------------------------------------------------------------------------
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var[R - V] / Var[R] over valid tokens, as a float; nan when Var[R] == 0 or no token is valid.
+
+    1 means the critic predicts the returns perfectly, 0 means no better than a constant,
+    below 0 worse than a constant.
+    """
+    if not mask.bool().any():
+        return float("nan")
+    with torch.no_grad():
+        var_r = masked_var(returns, mask, unbiased=False).item()
+        if var_r == 0:
+            return float("nan")
+        return 1.0 - masked_var(returns - values, mask, unbiased=False).item() / var_r
+
+
+# ----------------------------------------------------------------------------------------------
+# KL coefficient controllers (for the KL penalty in the reward or in the loss)
+# ----------------------------------------------------------------------------------------------
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, coef):
+        self.value = float(coef)
+
+    def update(self, current_kl, n_steps):
+        """No-op: the coefficient stays fixed."""
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences").
+
+      err   = clip(current_kl / target - 1, -0.2, 0.2)
+      coef <- coef * (1 + err * n_steps / horizon)
+    n_steps is the number of samples (or steps, as long as horizon uses the same unit) since
+    the last update. state_dict() holds the coefficient only; target and horizon are config.
+    """
+
+    def __init__(self, init_coef, target, horizon):
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"target and horizon must be > 0, got target={target}, horizon={horizon}")
+        self.value, self.target, self.horizon = float(init_coef), float(target), float(horizon)
+
+    def update(self, current_kl, n_steps):
+        err = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + err * n_steps / self.horizon
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = float(state["value"])

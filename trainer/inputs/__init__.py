@@ -1,0 +1,1 @@
+"""What a run reads: prompts, hub datasets, the built-in demo task, reward functions, models."""

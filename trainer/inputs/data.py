@@ -1,0 +1,343 @@
+"""Prompt datasets: verl-style JSONL/Parquet files, Hugging Face datasets and the built-in arithmetic task
+(its problems come from demo.py).
+
+    records = load_prompts("data/train.parquet,hf:openai/gsm8k:main@train", tokenizer, data_cfg=cfg.data, seed=1)
+    loader = PromptLoader(records, batch_size=16, shuffle=True, seed=1)
+    batch = loader.next_batch()            # list[PromptRecord]; loader.state_dict() goes in checkpoints
+
+A row has the columns verl users already have: `prompt` (a string or a list of chat messages),
+`reward_model: {ground_truth: ...}` (or a flat `ground_truth` / `answer` column) and `data_source`;
+`data.prompt_key` / `data.answer_key` name other columns, `data.prompt_template` wraps the prompt.
+Every other column travels along in `PromptRecord.extra` and reaches the reward function. File rows
+and dataset rows (`hub_data.py`) go through the same `_rows_to_records`. Nothing here imports Ray;
+pyarrow is imported only when a Parquet file is read, `datasets` only for an `hf:` entry.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..config import DataConfig
+from ..errors import DataError, first_line
+from .demo import BUILTIN_ARITHMETIC, arithmetic_problems
+from .hub_data import HF_PREFIX, load_rows, parse_ref
+
+# Names the reward call passes itself; a file column with one of these names stays out of `extra`.
+RESERVED_COLUMNS = ("completions", "prompts", "ground_truth", "data_source")
+
+
+@dataclass
+class PromptRecord:
+    prompt_ids: list[int]
+    """Token ids the policy is prompted with (chat template applied, left-truncated)."""
+    prompt_text: str
+    """The text those ids encode: what the model sees."""
+    ground_truth: str
+    """Reference answer for the reward function; "" when the dataset has none."""
+    data_source: str
+    """Which dataset the row came from; `auto` rewards dispatch on it."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The row's other columns (JSON-able), passed to the reward function as keyword lists."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+
+def load_prompts(
+    files: str,
+    tokenizer,
+    *,
+    prompt_key: str | None = None,
+    max_prompt_length: int | None = None,
+    split: str = "train",
+    data_cfg: DataConfig | None = None,
+    seed: int = 0,
+) -> list[PromptRecord]:
+    """Read comma-separated `files` (`.jsonl`, `.parquet`, `hf:DATASET[:CONFIG][@SPLIT]` or
+    `builtin:arithmetic`) into records.
+
+    `prompt_key` and `max_prompt_length` default to `data_cfg`'s values (or "prompt" and 64);
+    `data_cfg` also gives the answer column, the prompt template and the built-in task's size.
+    `split` picks the built-in task's fixed evaluation set ("val") and an `hf:` entry's default
+    split (train, or test for "val"), and names the config key in error messages. Relative paths
+    are relative to the current directory. Raises DataError with the fix in its message.
+    """
+    cfg = data_cfg or DataConfig()
+    key = "data.val_files" if split == "val" else "data.train_files"
+    how = _Reading(
+        prompt_key or cfg.prompt_key,
+        cfg.answer_key,
+        cfg.prompt_template,
+        max_prompt_length or cfg.max_prompt_length,
+        key,
+    )
+    if how.template and "{prompt}" not in how.template:
+        raise DataError(
+            f"data.prompt_template={how.template!r} has no {{prompt}}: mark where the prompt goes, "
+            f"e.g. data.prompt_template='{{prompt}} Give the final answer after ####.'"
+        )
+    entries = [f.strip() for f in files.split(",") if f.strip()]
+    if not entries:
+        raise DataError(f"no prompt files given: set {key}=path/to/train.parquet (or {BUILTIN_ARITHMETIC})")
+    records: list[PromptRecord] = []
+    for entry in entries:
+        if entry.startswith("builtin:"):
+            if entry != BUILTIN_ARITHMETIC:
+                raise DataError(
+                    f"unknown built-in dataset {entry!r} in {key}: the built-in one is {BUILTIN_ARITHMETIC}"
+                )
+            records += _arithmetic_records(tokenizer, cfg, split, seed, how.max_len)
+        elif entry.startswith(HF_PREFIX):
+            records += _dataset_records(entry, "test" if split == "val" else "train", tokenizer, how)
+        else:
+            records += _file_records(Path(entry), tokenizer, how)
+    return records
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """How rows become records: the columns to read, the prompt template and the key errors name."""
+
+    prompt_key: str
+    answer_key: str
+    template: str
+    max_len: int
+    key: str
+
+
+def _file_records(path: Path, tokenizer, how: _Reading) -> list[PromptRecord]:
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".parquet"):
+        raise DataError(
+            f"{path}: unsupported file type {suffix or '(none)'!r}: use .jsonl or .parquet files "
+            f"(or hf:DATASET entries) in {how.key}"
+        )
+    if not path.is_file():
+        raise DataError(f"data file not found: {path} (relative to {Path.cwd()}): check {how.key}")
+    rows = _read_jsonl(path) if suffix == ".jsonl" else _read_parquet(path)
+    if not rows:
+        raise DataError(f"{path}: the file has no rows: add prompts or remove it from {how.key}")
+    return _rows_to_records(str(path), rows, path.stem, tokenizer, how)
+
+
+def _dataset_records(entry: str, default_split: str, tokenizer, how: _Reading) -> list[PromptRecord]:
+    ref = parse_ref(entry[len(HF_PREFIX) :], entry)
+    ref = replace(ref, split=ref.split or default_split)
+    rows = _plain_rows(load_rows(ref, entry, split_fix=f"pick one with @SPLIT in {how.key}"))
+    return _rows_to_records(entry, rows, ref.source_name, tokenizer, how)
+
+
+def _rows_to_records(
+    label: str, rows: list[tuple[str, dict]], default_source: str, tokenizer, how: _Reading
+) -> list[PromptRecord]:
+    """The one path from rows (`where` in the source, column -> value) to records, for files and datasets."""
+    columns = list(dict.fromkeys(k for _, row in rows for k in row))
+    for name, setting in ((how.prompt_key, "data.prompt_key"), (how.answer_key, "data.answer_key")):
+        if name and name not in columns:
+            raise DataError(
+                f"{label}: no {name!r} column (it has {', '.join(columns) or 'none'}): set {setting}=<one of them>"
+            )
+    texts, truths, sources, extras = [], [], [], []
+    for where, row in rows:
+        texts.append(_prompt_text(row.get(how.prompt_key), tokenizer, f"{label}:{where}", how))
+        truths.append(_ground_truth(row, how.answer_key))
+        sources.append(str(row.get("data_source") or default_source))
+        extras.append({k: v for k, v in row.items() if k != how.prompt_key and k not in RESERVED_COLUMNS})
+    # A chat template writes the model's special tokens itself, so don't let the tokenizer add more.
+    ids = _encode(tokenizer, texts, add_special_tokens=not _has_chat_template(tokenizer))
+    records = []
+    for (where, _), text, prompt_ids, truth, source, extra in zip(rows, texts, ids, truths, sources, extras):
+        if not prompt_ids:
+            raise DataError(f"{label}:{where}: the prompt is empty: fill it in or drop the row")
+        prompt_ids, text = _left_truncate(tokenizer, prompt_ids, text, how.max_len)
+        records.append(PromptRecord(prompt_ids, text, truth, source, extra))
+    return records
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg}): fix or remove the line") from None
+            if not isinstance(row, dict):
+                raise DataError(
+                    f'{path}:{lineno}: a line must be a JSON object like {{"prompt": "..."}}, got {type(row).__name__}'
+                )
+            rows.append((str(lineno), row))
+    return rows
+
+
+def _read_parquet(path: Path) -> list[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        first = first_line(exc, exc.__class__.__name__)
+        raise DataError(f"{path}: not a readable Parquet file ({first}): rewrite it with pyarrow or pandas") from None
+    return _plain_rows(table.to_pylist())
+
+
+def _plain_rows(rows: list[dict]) -> list[tuple[str, dict]]:
+    # Round-trip through JSON so `extra` holds plain values (dates, decimals and bytes become strings).
+    return [(f"row {i}", json.loads(json.dumps(row, default=str))) for i, row in enumerate(rows)]
+
+
+def _has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _prompt_text(prompt: Any, tokenizer, where: str, how: _Reading) -> str:
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        )
+    ):
+        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    else:
+        raise DataError(
+            f"{where}: {how.prompt_key!r} must be a string or a list of "
+            f'{{"role": ..., "content": ...}} messages; got {_short(prompt)}'
+        )
+    if how.template:
+        # The template wraps what the user asks: the last user message (the only one of a string prompt).
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages) - 1)
+        messages[last_user]["content"] = how.template.replace("{prompt}", messages[last_user]["content"])
+    if _has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if isinstance(prompt, str):
+        return messages[0]["content"]
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def _ground_truth(row: dict, answer_key: str = "") -> str:
+    if answer_key:
+        value = row.get(answer_key)
+    elif isinstance(row.get("reward_model"), dict) and row["reward_model"].get("ground_truth") is not None:
+        value = row["reward_model"]["ground_truth"]
+    elif row.get("ground_truth") is not None:
+        value = row["ground_truth"]
+    else:
+        value = row.get("answer")
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+
+
+def _left_truncate(tokenizer, ids: list[int], text: str, max_len: int) -> tuple[list[int], str]:
+    """Keep the last `max_len` tokens: the end of a prompt (the question, the generation prompt) matters most."""
+    if len(ids) <= max_len:
+        return ids, text
+    ids = ids[-max_len:]
+    return ids, tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _arithmetic_records(tokenizer, cfg: DataConfig, split: str, seed: int, max_len: int) -> list[PromptRecord]:
+    pairs = arithmetic_problems(cfg, split, seed)
+    if not pairs:
+        raise DataError(f"{BUILTIN_ARITHMETIC} has no prompts: set data.arithmetic_size >= 1")
+    # The raw prompt even when the tokenizer has a chat template: the task targets base models.
+    texts = [f"{a}+{b}=" for a, b in pairs]
+    records = []
+    for (a, b), text, ids in zip(pairs, texts, _encode(tokenizer, texts, add_special_tokens=True)):
+        ids, text = _left_truncate(tokenizer, ids, text, max_len)
+        records.append(PromptRecord(ids, text, str(a + b), "arithmetic", {}))
+    return records
+
+
+# ----------------------------------------------------------------------------------------------
+# Batching
+# ----------------------------------------------------------------------------------------------
+
+
+class PromptLoader:
+    """Endless prompt batches in a resumable, seeded order.
+
+    Epoch e visits every record once, in a permutation seeded by (seed, e) (or in file order when
+    `shuffle` is off). Batches are always `batch_size` long: the last batch of an epoch is filled
+    from the start of the next epoch, so a batch may span two epochs and no prompt is dropped.
+    `state_dict()` is the position of the next record; a loader restored with it yields exactly
+    the batches the uninterrupted one would have.
+    """
+
+    def __init__(self, records: list[PromptRecord], batch_size: int, shuffle: bool = True, seed: int = 0):
+        if not records:
+            raise DataError("no prompts to batch: check data.train_files")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+        self.records = records
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0
+        self._order = self._epoch_order(0)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.shuffle:
+            # A string seed is hashed with SHA-512, so the order is the same in every process.
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def next_batch(self) -> list[PromptRecord]:
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
+            take = self._order[self.index : self.index + self.batch_size - len(batch)]
+            batch += [self.records[i] for i in take]
+            self.index += len(take)
+        return batch
+
+    def peek_batch(self) -> list[PromptRecord]:
+        """The batch `next_batch` will return, without moving past it."""
+        saved = self.epoch, self.index, self._order
+        try:
+            return self.next_batch()
+        finally:
+            self.epoch, self.index, self._order = saved
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index <= len(self.records):
+            raise DataError(
+                f"prompt loader state {state} does not fit a dataset of {len(self.records)} prompts: "
+                f"resume with the same data.train_files, or start a new run (trainer.resume=never)"
+            )
+        self.epoch, self.index = epoch, index
+        self._order = self._epoch_order(epoch)

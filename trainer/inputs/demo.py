@@ -1,0 +1,182 @@
+"""The built-in demo, in one place: what `builtin:tiny` and `builtin:arithmetic` are.
+
+- a character-level tokenizer over printable ASCII, made locally with `tokenizers`;
+- a 0.5M-parameter Llama built from a config (head dim 32, so vLLM's CPU attention takes it);
+- the arithmetic task: prompts `a+b=` with operands up to `data.arithmetic_max_operand`, scored by the
+  `arithmetic` reward (rewards.py);
+- the format warm-up (`model.sft_warmup_steps`): supervised steps on random answers, so RL starts from a
+  model that answers with a number and stops, at chance level.
+
+`materialize_builtin` saves the model and tokenizer once into the cache directory, so the built-in path
+goes through exactly the same `from_pretrained` loading as a real model (models.py). data.py turns the
+task's problems into prompt records.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import string
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import ModelLoadError
+from ..paths import cache_dir
+
+if TYPE_CHECKING:
+    from ..config import DataConfig
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_ARITHMETIC = "builtin:arithmetic"
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+
+# Head dim 32 keeps vLLM's CPU attention happy; the rest is as small as learns the built-in task.
+TINY_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=32,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
+def build_char_tokenizer():
+    """A character-level tokenizer over printable ASCII, built locally with `tokenizers`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK] + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        bos_token=None,
+        padding_side="left",
+        model_max_length=256,
+    )
+
+
+def build_tiny_model(tokenizer, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **TINY_CONFIG,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def materialize_builtin(
+    name: str, warmup_steps: int = 0, warmup_lr: float = 3e-3, max_operand: int = 4, seed: int = 0
+) -> str:
+    """Create (once, under a file lock) the built-in model directory and return its path."""
+    if name != "tiny":
+        raise ModelLoadError(f"unknown built-in model {BUILTIN_PREFIX}{name!r}: the built-in model is builtin:tiny")
+    spec = dict(
+        name=name,
+        config=TINY_CONFIG,
+        warmup_steps=warmup_steps,
+        warmup_lr=warmup_lr,
+        max_operand=max_operand,
+        seed=seed,
+        version=1,
+    )
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    target = cache_dir() / f"builtin-{name}-{digest}"
+    if (target / "config.json").exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").exists():
+            tokenizer = build_char_tokenizer()
+            model = build_tiny_model(tokenizer, seed)
+            if warmup_steps:
+                _format_warmup(
+                    model, tokenizer, format_warmup_batches(tokenizer, max_operand, seed), warmup_steps, warmup_lr
+                )
+            tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, target)
+    return str(target)
+
+
+def _format_warmup(model, tokenizer, batches, steps: int, lr: float) -> None:
+    """Supervised steps on (prompt, answer) pairs whose answers are random: the model learns the
+    answer format (a number, then end-of-sequence) but nothing about which number is right."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _, (input_ids, attention_mask, labels) in zip(range(steps), batches):
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def arithmetic_pairs(max_operand: int) -> list[tuple[int, int]]:
+    """Every distinct (a, b) with 0 <= a, b <= max_operand, in a fixed order."""
+    return [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+
+
+def arithmetic_problems(cfg: DataConfig, split: str, seed: int) -> list[tuple[int, int]]:
+    """The built-in task's (a, b) pairs: `arithmetic_size` seeded draws, or every pair once for "val"."""
+    # The task is tiny, so "val" is not disjoint from "train": it is every pair once, in a fixed
+    # order, which makes validation accuracy comparable across runs and seeds.
+    if split == "val":
+        return arithmetic_pairs(cfg.arithmetic_max_operand)
+    rng = random.Random(seed)
+    top = cfg.arithmetic_max_operand
+    return [(rng.randint(0, top), rng.randint(0, top)) for _ in range(cfg.arithmetic_size)]
+
+
+def format_warmup_batches(
+    tokenizer, max_operand: int, seed: int, batch_size: int = 64
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Endless `(input_ids, attention_mask, labels)` batches, each [batch_size, T] int64, for a
+    supervised warm-up on the built-in task's answer FORMAT only.
+
+    Each row is `a+b=` then a uniformly random integer in 0..2*max_operand (not a+b) then EOS,
+    right-padded. `labels` copy the answer and EOS tokens and are -100 on the prompt and padding,
+    so the model learns "a number, then stop" but nothing about which number is right.
+    """
+    rng = random.Random(seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    while True:
+        rows = []
+        for _ in range(batch_size):
+            a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+            answer = rng.randint(0, 2 * max_operand)
+            prompt = list(tokenizer(f"{a}+{b}=", add_special_tokens=True)["input_ids"])
+            target = list(tokenizer(str(answer), add_special_tokens=False)["input_ids"]) + [eos]
+            rows.append((prompt, target))
+        width = max(len(p) + len(t) for p, t in rows)
+        input_ids = torch.full((batch_size, width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
+        labels = torch.full((batch_size, width), -100, dtype=torch.long)
+        for i, (prompt, target) in enumerate(rows):
+            n, m = len(prompt), len(target)
+            input_ids[i, : n + m] = torch.tensor(prompt + target)
+            attention_mask[i, : n + m] = 1
+            labels[i, n : n + m] = torch.tensor(target)
+        yield input_ids, attention_mask, labels

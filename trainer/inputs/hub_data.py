@@ -1,0 +1,125 @@
+"""Prompt rows from Hugging Face datasets: the `hf:` entries of `data.train_files` / `data.val_files`.
+
+    hf:openai/gsm8k:main@train      a hub id, its config `main`, its split `train`
+    hf:/data/gsm8k_saved@test       a directory written by Dataset(Dict).save_to_disk
+    hf:/data/gsm8k_files@train      a directory of data files (parquet, json, csv) in the hub's layout
+
+The syntax is `hf:DATASET[:CONFIG][@SPLIT]`. DATASET is a local directory when it starts with `/`,
+`./`, `../` or `~`, or when a directory of that name exists; otherwise it is a hub id, read with
+`datasets.load_dataset` (which also finds it in the local HF cache when HF_HUB_OFFLINE=1). A
+missing @SPLIT means `train` in data.train_files and `test` in data.val_files.
+
+This module only fetches rows as plain dicts; `data.py` turns them into PromptRecords with the same
+code as file rows. `datasets` is imported only when an `hf:` entry is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import DataError
+
+HF_PREFIX = "hf:"
+_PATH_STARTS = ("/", "./", "../", "~")
+
+
+@dataclass(frozen=True)
+class DatasetRef:
+    name: str
+    """A hub id (`owner/name`) or a local directory."""
+    config: str | None
+    """The dataset's config (hub "subset"), e.g. `main` for openai/gsm8k; None = its default."""
+    split: str | None
+    """The split to read; None = the caller's default."""
+
+    @property
+    def is_local(self) -> bool:
+        return self.name.startswith(_PATH_STARTS) or Path(self.name).expanduser().is_dir()
+
+    @property
+    def source_name(self) -> str:
+        """`data_source` for rows without one: the hub id, or the directory's name (`auto` rewards
+        dispatch on it, so `openai/gsm8k` is scored as GSM8K)."""
+        return Path(self.name).expanduser().resolve().name if self.is_local else self.name
+
+
+def parse_ref(text: str, label: str) -> DatasetRef:
+    """`DATASET[:CONFIG][@SPLIT]` (without the `hf:` prefix) -> DatasetRef. `label` names the entry in errors."""
+    rest, at, split = text.rpartition("@")
+    if not at or "/" in split:  # an `@` inside a directory path is not a split
+        rest, split = text, None
+    name, colon, config = rest.partition(":")
+    example = "hf:openai/gsm8k:main@train"
+    if not name.strip() or (colon and not config.strip()) or (at and split is not None and not split.strip()):
+        raise DataError(f"{label}: not DATASET[:CONFIG][@SPLIT]: write it like {example} or hf:/path/to/saved@train")
+    return DatasetRef(name.strip(), config.strip() if colon else None, split.strip() if split else None)
+
+
+def load_rows(ref: DatasetRef, label: str, split_fix: str = "pick one with @SPLIT") -> list[dict]:
+    """The rows of `ref.split` as plain dicts (column -> value). Every failure is one-line DataError
+    naming `label`; `split_fix` is the advice when the split does not exist."""
+    datasets = _import_datasets(label)
+    loaded = _load(datasets, ref, label)
+    if isinstance(loaded, datasets.DatasetDict):
+        if ref.split not in loaded:
+            raise DataError(f"{label}: no split {ref.split!r} (it has {', '.join(loaded) or 'none'}): {split_fix}")
+        loaded = loaded[ref.split]
+    # else: a directory saved from one Dataset has no splits; it is read whole.
+    rows = loaded.to_list()
+    if not rows:
+        raise DataError(f"{label}: split {ref.split!r} has no rows: pick another split or dataset")
+    return rows
+
+
+def _import_datasets(label: str):
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{label}: reading hf: datasets needs the `datasets` package: pip install datasets "
+            f"(where the trainer's driver runs)"
+        ) from None
+    return datasets
+
+
+def _load(datasets, ref: DatasetRef, label: str):
+    """Dataset or DatasetDict for `ref`, by where it lives: save_to_disk directory, data-file directory, hub."""
+    if ref.is_local:
+        path = Path(ref.name).expanduser()
+        if not path.is_dir():
+            raise DataError(
+                f"{label}: no directory {path}: give a directory written by save_to_disk, "
+                f"a directory of data files, or a hub id like openai/gsm8k"
+            )
+        # save_to_disk writes dataset_dict.json (a DatasetDict) or state.json (one Dataset).
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+            return _call(lambda: datasets.load_from_disk(str(path)), datasets, ref, label)
+        return _call(lambda: datasets.load_dataset(str(path), ref.config), datasets, ref, label)
+    return _call(lambda: datasets.load_dataset(ref.name, ref.config), datasets, ref, label)
+
+
+def _call(load, datasets, ref: DatasetRef, label: str):
+    """Run a datasets loader; turn its failures into one line that says what to do."""
+    try:
+        return load()
+    except (ConnectionError, FileNotFoundError) as exc:  # also DatasetNotFoundError, no hub access
+        where = (
+            "check the path"
+            if ref.is_local
+            else "check the id (and HF_TOKEN for a gated dataset); without hub access (HF_HUB_OFFLINE=1) "
+            "it must be in the HF cache ($HF_HOME/datasets) or saved with save_to_disk and given as hf:/path"
+        )
+        raise DataError(f"{label}: dataset {ref.name!r} not found ({_one_line(exc)}): {where}") from None
+    except (ValueError, OSError, datasets.exceptions.DatasetsError) as exc:
+        # Most often an unknown config: datasets' message lists the ones that exist.
+        raise DataError(
+            f"{label}: datasets could not load {ref.name!r} ({_one_line(exc)}): "
+            f"check the :CONFIG part against the configs it lists"
+        ) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

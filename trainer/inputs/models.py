@@ -1,0 +1,137 @@
+"""Model and tokenizer loading.
+
+Every role loads its model with `from_pretrained` from a directory or hub name. `builtin:tiny` is
+materialised once into a local cache directory first (demo.py), so the built-in path goes through
+exactly the same loading code as a real model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError, first_line
+from .demo import BUILTIN_PREFIX, materialize_builtin
+
+
+def quiet_transformers() -> None:
+    """Keep job logs readable: no per-file progress bars or load reports from every worker."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def resolve_path(path: str, cfg=None) -> str:
+    """Turn `builtin:*` into its materialised directory; pass other paths through."""
+    if not path.startswith(BUILTIN_PREFIX):
+        return path
+    kwargs = {}
+    if cfg is not None:
+        kwargs = dict(
+            warmup_steps=cfg.model.sft_warmup_steps,
+            warmup_lr=cfg.model.sft_warmup_lr,
+            max_operand=cfg.data.arithmetic_max_operand,
+            seed=cfg.trainer.seed,
+        )
+    return materialize_builtin(path[len(BUILTIN_PREFIX) :], **kwargs)
+
+
+def _load(auto_cls, path: str, what: str, **kwargs):
+    """`from_pretrained`, or ModelLoadError naming the path, the first line of the reason and the fix.
+    Any exception counts: a corrupted weights file raises the safetensors library's own error type."""
+    try:
+        return auto_cls.from_pretrained(path, **kwargs)
+    except Exception as exc:
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {first_line(text)[:300]}" if text else type(exc).__name__
+        if Path(path).is_dir():
+            hint = (
+                f"check that {path} holds a complete model (config.json and intact weight files) of an "
+                f"architecture that has this head; model.trust_remote_code=true for custom code"
+            )
+        else:
+            hint = "use a local directory with config.json, a hub name on a machine that can download, or builtin:tiny"
+        raise ModelLoadError(f"cannot load {what} from {path!r} ({reason}): {hint}") from exc
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = _load(AutoTokenizer, path, "the tokenizer", trust_remote_code=trust_remote_code)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def disable_dropout(model):
+    """RL training runs without dropout: it would make the sampling policy and the trained one
+    differ, and a resumed run diverge from an uninterrupted one."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for name in (
+        "attention_dropout",
+        "hidden_dropout",
+        "classifier_dropout",
+        "resid_pdrop",
+        "embd_pdrop",
+        "attn_pdrop",
+        "dropout",
+    ):
+        if isinstance(getattr(model.config, name, None), float):
+            setattr(model.config, name, 0.0)
+    return model
+
+
+def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    return disable_dropout(
+        _load(
+            AutoModelForCausalLM, path, "the policy model", dtype=dtype_of(dtype), trust_remote_code=trust_remote_code
+        )
+    )
+
+
+def load_value_model(path: str, dtype: str = "float32", trust_remote_code: bool = False):
+    """A critic: the causal LM's backbone with a one-output token-classification head."""
+    from transformers import AutoModelForTokenClassification
+
+    model, info = _load(
+        AutoModelForTokenClassification,
+        path,
+        "the critic model",
+        num_labels=1,
+        dtype=dtype_of(dtype),
+        trust_remote_code=trust_remote_code,
+        output_loading_info=True,
+    )
+    # A value head that the checkpoint did not have starts at zero, so early values don't swamp
+    # the advantages; a trained value model keeps its head.
+    head_name = "score" if hasattr(model, "score") else "classifier"
+    head = getattr(model, head_name, None)
+    if head is not None and any(k.startswith(head_name) for k in info.get("missing_keys", [])):
+        torch.nn.init.zeros_(head.weight)
+        if getattr(head, "bias", None) is not None:
+            torch.nn.init.zeros_(head.bias)
+    return disable_dropout(model)
+
+
+def load_reward_model(path: str, dtype: str = "float32", trust_remote_code: bool = False):
+    from transformers import AutoModelForSequenceClassification
+
+    return _load(
+        AutoModelForSequenceClassification,
+        path,
+        "the reward model",
+        num_labels=1,
+        dtype=dtype_of(dtype),
+        trust_remote_code=trust_remote_code,
+    )

@@ -1,0 +1,67 @@
+"""Everything checked and loaded before the trainer joins Ray: the checks that need no cluster, each
+failing in seconds with one line (the run directory, the checkpoint to resume, the reward function,
+the model's tokenizer, the prompts).
+
+    inputs = prepare(cfg)   # then connect, launch the roles, Trainer(cfg, roles, inputs).fit()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import Config
+from ..state import checkpoint
+from ..state.run_dir import resume_point, under_runs_dir
+from .data import PromptRecord, load_prompts
+from .models import load_tokenizer, quiet_transformers, resolve_path
+from .rewards import resolve_reward_fn
+
+
+@dataclass
+class Inputs:
+    """Everything checked and loaded before any Ray actor starts."""
+
+    model_path: str
+    critic_path: str
+    tokenizer: object
+    train: list[PromptRecord]
+    val: list[PromptRecord]
+    resume: checkpoint.Checkpoint | None
+    """The checkpoint this run continues from, checked against the config (None: a fresh start)."""
+    reward_fn: Callable
+    """`reward.function`, resolved (the driver scores with it under `reward.in_driver`)."""
+
+
+def prepare(cfg: Config) -> Inputs:
+    """The checks that need no cluster; nothing is written to run_dir here (the run's files are
+    written once its roles have started). A relative run_dir is placed under $CLOUDRL_RUNS_DIR."""
+    quiet_transformers()
+    cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
+    resume_from = resume_point(cfg.trainer.run_dir, cfg.trainer.resume)
+    checkpoint.check_writable(cfg.trainer.run_dir)
+    reward_fn = resolve_reward_fn(cfg.reward.function)
+    if cfg.rollout.engine == "vllm":
+        from ..rollout.vllm_engine import check_vllm_available
+
+        check_vllm_available()
+    model_path = resolve_path(cfg.model.path, cfg)
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    critic_path = resolve_path(cfg.critic.model_path, cfg) if cfg.critic.model_path else model_path
+    resume = open_resume(cfg, resume_from, model_path, critic_path) if resume_from else None
+    d = cfg.data
+    common = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, data_cfg=d, seed=cfg.trainer.seed)
+    train_records = load_prompts(d.train_files, tokenizer, split="train", **common)
+    val_files = d.val_files or ("builtin:arithmetic" if d.train_files == "builtin:arithmetic" else "")
+    val_records = load_prompts(val_files, tokenizer, split="val", **common) if val_files else []
+    return Inputs(model_path, critic_path, tokenizer, train_records, val_records, resume, reward_fn)
+
+
+def open_resume(cfg: Config, path: Path, model_path: str, critic_path: str) -> checkpoint.Checkpoint:
+    """Read the checkpoint to resume and refuse it, in one line, unless it fits this run's config."""
+    roles = {"actor": model_path, **({"critic": critic_path} if cfg.uses_critic else {})}
+    ckpt = checkpoint.load(path, list(roles))
+    shapes = {role: checkpoint.expected_shapes(p, role, cfg.model.trust_remote_code) for role, p in roles.items()}
+    checkpoint.check_matches(ckpt, cfg, {role: s for role, s in shapes.items() if s is not None})
+    return ckpt

@@ -1,0 +1,235 @@
+"""The roles on the cluster: one Ray placement group per role request, one ActorGroup per role.
+
+The driver calls `launch_roles(cfg, requests, model_path, critic_path)` once, with the plan it made and
+checked against the cluster (`placement.plan`, `cluster.preflight`). It creates each placement group with a timeout,
+starts the hosts' workers (one whole GPU per data-parallel rank), then the colocated roles' workers on
+their hosts' GPUs (`placement.guest_slots`), and finally lets the trained roles join their process
+groups and shard. `Roles.shutdown()` kills every actor and removes every group it created.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..errors import PlacementTimeout
+from ..waiting import get_all
+from .cluster import alive_nodes
+from .placement import RoleRequest, Slot, describe_cluster, plan_slots, worker_count
+from .workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
+
+# Settings the collective libraries read: passed from the job's environment to every worker, so
+# `NCCL_SOCKET_IFNAME=eth0 cloudrl submit ...` reaches the processes that open the sockets.
+NETWORK_ENV_PREFIXES = ("NCCL_", "GLOO_", "TP_SOCKET_IFNAME", "UCX_", "RCCL_", "HSA_", "HIP_VISIBLE")
+
+WORKER_CLASSES = {
+    "actor": PolicyWorker,
+    "critic": CriticWorker,
+    "reference": ReferenceWorker,
+    "reward": RewardWorker,
+    "rollout": RolloutWorker,
+}
+
+
+def network_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(NETWORK_ENV_PREFIXES)}
+
+
+class ActorGroup:
+    """One role's workers: rank r runs in `slots[r]` of placement group `pg`."""
+
+    def __init__(
+        self,
+        name: str,
+        worker_cls,
+        pg,
+        slots: list[Slot],
+        args: tuple,
+        kwargs: dict | None = None,
+        timeout_s: float = 600.0,
+    ):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.name, self.timeout_s = name, timeout_s
+        remote_cls = ray.remote(worker_cls)
+        self.workers = []
+        for rank, slot in enumerate(slots):
+            env = network_env()
+            if slot.visible_gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = slot.visible_gpus
+            self.workers.append(
+                remote_cls.options(
+                    num_cpus=slot.cpus,
+                    num_gpus=slot.gpus,
+                    resources=slot.resources,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot.bundle),
+                    runtime_env={"env_vars": env} if env else None,
+                    max_concurrency=1,
+                ).remote(*args, rank=rank, world_size=len(slots), **(kwargs or {}))
+            )
+        self.places: list[dict] = []
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def labels(self) -> list[str]:
+        """`actor rank 1 on 10.0.0.2` per worker, for messages."""
+        ips = [p["ip"] for p in self.places] or [""] * self.world_size
+        return [f"{self.name} rank {r}" + (f" on {ip}" if ip else "") for r, ip in enumerate(ips)]
+
+    def where(self) -> list[dict]:
+        """Node, process and GPU ids of every worker; waits (bounded) until all have started."""
+        if not self.places:
+            self.places = get_all(
+                [w.where.remote() for w in self.workers],
+                self.labels(),
+                self.timeout_s,
+                f"starting the {self.name} workers (loading the model included)",
+            )
+        return self.places
+
+    def start_training(self) -> None:
+        """Every rank joins the role's process group (rank 0's node and a free port there), then
+        shards its model and builds its optimizer: FSDP2 needs the group before sharding."""
+        labels = self.labels()
+        ((addr, port),) = get_all(
+            [self.workers[0].master_address.remote()], labels[:1], self.timeout_s, f"starting the {self.name} workers"
+        )
+        get_all(
+            [w.start_training.remote(addr, port) for w in self.workers],
+            labels,
+            self.timeout_s,
+            f"{self.name}: joining the process group at {addr}:{port} and sharding",
+        )
+
+    def kill(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+
+
+@dataclass
+class Roles:
+    actor: ActorGroup
+    rollout: ActorGroup
+    reward: ActorGroup | None
+    critic: ActorGroup | None = None
+    reference: ActorGroup | None = None
+    placement_groups: list = field(default_factory=list)
+
+    @property
+    def rollout_in_actor(self) -> bool:
+        return self.rollout is self.actor
+
+    def groups(self) -> list[ActorGroup]:
+        """Every distinct group (with the rollout inside the actor, the actor group once)."""
+        rollout = None if self.rollout_in_actor else self.rollout
+        return [g for g in (self.actor, self.critic, self.reference, self.reward, rollout) if g is not None]
+
+    def shutdown(self) -> None:
+        from ray.util import remove_placement_group
+
+        for g in self.groups():
+            g.kill()
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+
+
+def create_placement_group(request: RoleRequest, timeout_s: float):
+    """A placement group that is ready, or PlacementTimeout naming the keys (and nothing left behind)."""
+    import ray
+    from ray.util import placement_group, remove_placement_group
+
+    pg = placement_group(request.bundles, strategy=request.strategy, name=f"cloudrl-{request.role}")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise PlacementTimeout(
+            f"{request.role} workers were not placed within placement.timeout_s={timeout_s:g}s "
+            f"({request.keys}; bundles {request.bundles}, strategy {request.strategy}); the cluster has "
+            f"{describe_cluster(alive_nodes())} and other jobs may hold part of it: free resources, "
+            f"lower those keys or raise placement.timeout_s"
+        )
+    return pg
+
+
+def placement_nodes(pgs) -> list[str]:
+    """The ids of the nodes the placement groups' bundles were placed on."""
+    from ray.util import placement_group_table
+
+    return sorted({node for pg in pgs for node in placement_group_table(pg)["bundles_to_node_id"].values()})
+
+
+def launch_roles(
+    cfg, requests: list[RoleRequest], model_path: str, critic_path: str, classes: dict | None = None
+) -> Roles:
+    """Create the placement groups of `requests` (`placement.plan`, checked against the cluster by
+    `cluster.preflight`) and start every role's workers.
+
+    `classes` maps role names to worker classes (tests pass light probes to check placement alone)."""
+    from ..inputs.models import resolve_path
+    from .staging import stage_models
+
+    classes = {**WORKER_CLASSES, **(classes or {})}
+    cfg_dict = cfg.to_dict()
+    timeout = cfg.trainer.worker_timeout_s
+    reward_model_path = resolve_path(cfg.reward.model_path, cfg) if cfg.reward.model_path else None
+    pgs: dict[str, object] = {}
+    groups: dict[str, ActorGroup] = {}
+    args: dict[str, tuple] = {}
+    kwargs: dict[str, dict] = {}
+
+    def start(role: str, pg, slots: list[Slot]) -> ActorGroup:
+        assert len(slots) == worker_count(cfg, role), role
+        groups[role] = ActorGroup(role, classes[role], pg, slots, args[role], kwargs.get(role), timeout)
+        return groups[role]
+
+    try:
+        for req in requests:
+            pgs[req.role] = create_placement_group(req, cfg.placement.timeout_s)
+        # Every node the groups landed on gets the models before any worker loads them.
+        paths = [model_path, critic_path] + ([reward_model_path] if reward_model_path else [])
+        staged = stage_models(paths, placement_nodes(pgs.values()), timeout)
+        model, critic = staged[model_path], staged[critic_path]
+        args = {
+            "actor": (cfg_dict, model),
+            "critic": (cfg_dict, critic),
+            "reference": (cfg_dict, model),
+            "reward": (cfg_dict, model),
+            "rollout": (cfg_dict, model),
+        }
+        kwargs = {"actor": {"with_reference": "reference" in requests[0].in_process}}  # plan(): actor first
+        if reward_model_path:
+            kwargs["reward"] = {"reward_model_path": staged[reward_model_path]}
+        for req in requests:  # hosts first: the guests run on the GPUs Ray gave them
+            start(req.role, pgs[req.role], plan_slots(cfg, req)[req.role])
+        for req in requests:
+            if req.guests:
+                host_gpus = [w["gpus"] for w in groups[req.role].where()]
+                slots = plan_slots(cfg, req, host_gpus)
+                for role in req.guests:
+                    start(role, pgs[req.role], slots[role])
+        for group in groups.values():
+            group.where()  # every worker constructed (models loaded), within trainer.worker_timeout_s
+        for role in ("actor", "critic"):
+            if role in groups:
+                groups[role].start_training()
+        return Roles(
+            actor=groups["actor"],
+            rollout=groups.get("rollout", groups["actor"]),
+            reward=groups.get("reward"),
+            critic=groups.get("critic"),
+            reference=groups.get("reference"),
+            placement_groups=list(pgs.values()),
+        )
+    except BaseException:
+        from ray.util import remove_placement_group
+
+        for g in groups.values():
+            g.kill()
+        for pg in pgs.values():
+            remove_placement_group(pg)
+        raise

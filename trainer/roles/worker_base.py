@@ -1,0 +1,332 @@
+"""What every role's worker shares: the forward passes, the process group, and the training step.
+
+`WorkerBase` holds a worker's config, rank and device; `TrainableWorker` adds the fp32 master weights,
+FSDP2 sharding after the process group exists, the optimizer and the data-parallel gradient step that
+the policy and the critic share (workers.py). No Ray at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from ..algo import ppo_math as pm
+from ..algo.batch import Batch, position_ids
+from ..config import config_from_dict
+from ..inputs.models import dtype_of
+
+
+def forward_logprobs(model, batch: Batch, temperature: float, entropy: str = "none"):
+    """Log-probs [N, R] of the response tokens under `model` at `temperature`, and their entropies
+    when `entropy` is "grad" (part of the loss) or "metric" (detached, for logging)."""
+    width = batch.prompt_width
+    mask = batch["attention_mask"]
+    kwargs = {}
+    keep = batch["input_ids"].shape[1] - width + 1  # the positions that predict response tokens (+ the last)
+    if _takes_logits_to_keep(type(model)):  # skips the LM head on prompt positions (a vocab-wide matmul each)
+        kwargs["logits_to_keep"] = keep
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids(mask), use_cache=False, **kwargs
+    ).logits
+    logits = logits[:, -keep:-1].float() / temperature
+    logprobs = pm.logprobs_from_logits(logits, batch["input_ids"][:, width:])
+    ent = None
+    if entropy == "grad":
+        ent = pm.entropy_from_logits(logits)
+    elif entropy == "metric":
+        with torch.no_grad():
+            ent = pm.entropy_from_logits(logits.detach())
+    return logprobs * batch["response_mask"], ent
+
+
+@functools.cache
+def _takes_logits_to_keep(model_cls: type) -> bool:
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
+
+
+def forward_values(model, batch: Batch) -> torch.Tensor:
+    """Values [N, R]: the critic's estimate before each response token."""
+    width = batch.prompt_width
+    mask = batch["attention_mask"]
+    out = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids(mask), use_cache=False)
+    return out.logits[:, width - 1 : -1, 0].float() * batch["response_mask"]
+
+
+class WorkerBase:
+    """What every role's worker has: its config, rank, device and process-group plumbing."""
+
+    sharded = False  # TrainableWorker decides per role
+
+    def __init__(self, cfg_dict: dict, rank: int = 0, world_size: int = 1):
+        from ..inputs.models import quiet_transformers
+
+        quiet_transformers()
+        self.cfg = config_from_dict(cfg_dict)
+        self.rank, self.world_size = rank, world_size
+        # The GPUs a worker may use are the ones its CUDA_VISIBLE_DEVICES names (Ray sets it for ranks
+        # that own GPUs, the launcher for colocated workers, "" for CPU-only workers); on a machine
+        # without CUDA the same layout runs on CPU (a rehearsal with logical GPUs).
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        torch.manual_seed(self.cfg.trainer.seed + rank)
+
+    def where(self) -> dict:
+        """Node, process and GPU ids of this worker (the placement log, and the colocation plan)."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = [g for g in visible.split(",") if g] if visible is not None else [str(g) for g in ray.get_gpu_ids()]
+        return {
+            "rank": self.rank,
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "gpus": gpus,
+            "device": str(self.device),
+            "sharded": self.sharded,
+        }
+
+    def master_address(self) -> tuple[str, int]:
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_process_group(self, addr: str, port: int, cpu_offload: bool = False) -> None:
+        """Join the role's process group: NCCL between GPUs (plus gloo for CPU tensors when FSDP keeps
+        parameters on the host), gloo on CPU."""
+        import torch.distributed as dist
+
+        if self.device.type == "cuda":
+            backend = "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
+        else:
+            backend = "gloo"
+        timeout = timedelta(seconds=self.cfg.trainer.worker_timeout_s)
+        dist.init_process_group(
+            backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size, timeout=timeout
+        )
+
+
+class TrainableWorker(WorkerBase):
+    """Optimizer, LR schedule and the data-parallel gradient step shared by policy and critic.
+
+    Construction loads the model with fp32 master weights; `start_training` (called once on every
+    rank by ActorGroup.start_training) joins the process group, then shards and builds the optimizer.
+    Compute runs in `model.dtype`: FSDP2's mixed-precision policy when sharded, autocast otherwise.
+    """
+
+    role = "actor"
+    model: torch.nn.Module
+
+    def __init__(self, cfg_dict: dict, rank: int = 0, world_size: int = 1):
+        super().__init__(cfg_dict, rank, world_size)
+        rc = getattr(self.cfg, self.role)
+        # FSDP2 over the role's process group: NCCL on GPUs, gloo on CPU (the same code path).
+        self.sharded = rc.fsdp and (self.world_size > 1 or self.device.type == "cuda")
+        self.compute_dtype = dtype_of(self.cfg.model.dtype)
+        self.optimizer = None
+
+    def start_training(self, addr: str = "127.0.0.1", port: int = 0) -> None:
+        rc = getattr(self.cfg, self.role)
+        if self.world_size > 1 or self.sharded:
+            if not port:
+                port = self.master_address()[1]
+            self.init_process_group(addr, port, cpu_offload=self.sharded and rc.cpu_offload)
+        if self.cfg.model.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.to(self.device)
+        if self.sharded:
+            from .fsdp import shard_model
+
+            shard_model(self.model, self.compute_dtype, cpu_offload=rc.cpu_offload)
+        self.model.train()
+        # The fused kernel updates every parameter in one call instead of a dozen small ops each;
+        # sharded (DTensor) parameters keep torch's default implementation.
+        fused = True if self.device.type in ("cpu", "cuda") and not self.sharded else None
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=rc.lr, weight_decay=rc.weight_decay, fused=fused)
+        warmup = rc.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
+        # FSDP averages gradients over ranks; plain data parallelism here sums them. Losses are
+        # divided by the global token count, so the sum is the exact global token mean.
+        self.grad_scale = float(self.world_size) if self.sharded else 1.0
+        self.comm_seconds = 0.0  # gradient all-reduce time of the current update
+
+    def autocast(self):
+        """Compute in model.dtype over fp32 master weights (FSDP2 casts by itself when sharded)."""
+        if self.sharded or self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _step(self, grad_clip: float) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.world_size > 1 and not self.sharded:
+            import torch.distributed as dist
+
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            start = time.perf_counter()
+            dist.all_reduce(flat)
+            self.comm_seconds += time.perf_counter() - start
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):  # sharded: the norm over every rank's shards
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def _full_state(self, with_optimizer: bool) -> tuple[dict, dict | None]:
+        """Unsharded model (and optimizer) state keyed by parameter name, on CPU. Under FSDP this
+        is a collective: every rank must call it, and only rank 0 receives the tensors."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self.sharded)
+        # Unsharded models already hold full tensors: their state_dict is the same, and it is the
+        # cheaper call on the per-step weight-sync path.
+        state = get_model_state_dict(self.model, options=options) if self.sharded else self.model.state_dict()
+        model_state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=options) if with_optimizer else None
+        return model_state, optim_state
+
+    def get_state(self) -> dict | None:
+        """Model, optimizer and scheduler state from rank 0 (other ranks return None). Keyed by
+        parameter name and unsharded, so a checkpoint loads into any number of workers."""
+        if self.rank != 0 and not self.sharded:
+            return None
+        model_state, optim_state = self._full_state(with_optimizer=True)
+        if self.rank != 0:
+            return None
+        return {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()}
+
+    def set_state(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        set_model_state_dict(self.model, state["model"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    # Sharded checkpoints (checkpoint.py, shards.py): each rank reads and writes only its own shard.
+    def _sharded_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)  # DTensors when sharded
+        return {"model": model_state, "optimizer": optim_state}
+
+    def save_shards(self, directory: str) -> tuple[dict[str, bytes], dict | None]:
+        """Write this rank's shards of the weights and optimizer state into the DCP `directory`; a
+        collective over the role's ranks. A node that does not see `directory` (no shared disk with the
+        driver) writes to a scratch directory and returns its files for the driver to write. Returns
+        (those files, the scheduler state on rank 0)."""
+        import shutil
+        import tempfile
+
+        import torch.distributed.checkpoint as dcp
+
+        target = directory if os.path.isdir(os.path.dirname(directory)) else tempfile.mkdtemp(prefix="cloudrl-shards-")
+        with _single_process_quiet():
+            dcp.save(self._sharded_state(), checkpoint_id=target)
+        files: dict[str, bytes] = {}
+        if target != directory:
+            for name in os.listdir(target):
+                with open(os.path.join(target, name), "rb") as f:
+                    files[name] = f.read()
+            shutil.rmtree(target, ignore_errors=True)
+        return files, self.scheduler.state_dict() if self.rank == 0 else None
+
+    def sees(self, directory: str) -> bool:
+        return os.path.isdir(directory)
+
+    def load_shards(self, directory: str, scheduler: dict, files: dict | None = None) -> None:
+        """Read this rank's part of the DCP `directory` (resharded to this run's ranks); a collective.
+        `files` (name -> object ref, or bytes) stands in for a directory this node cannot see."""
+        import shutil
+        import tempfile
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        source = directory
+        if files is not None:
+            source = tempfile.mkdtemp(prefix="cloudrl-shards-")
+            for name, data in files.items():
+                if not isinstance(data, bytes):
+                    import ray
+
+                    data = ray.get(data)
+                with open(os.path.join(source, name), "wb") as f:
+                    f.write(data)
+        try:
+            state = self._sharded_state()
+            with _single_process_quiet():
+                dcp.load(state, checkpoint_id=source)
+        finally:
+            if source != directory:
+                shutil.rmtree(source, ignore_errors=True)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(scheduler)
+
+
+@dataclass
+class UpdateResult:
+    """What a trained role's `update` returns to the driver."""
+
+    stats: dict
+    """Token-weighted sums of the rank's statistics (Accumulator.result); metrics.combine merges ranks."""
+
+
+class Accumulator:
+    """Token-weighted sums of per-micro-batch statistics; the driver combines ranks exactly."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, name: str, value: float, weight: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(value) * weight
+        self.weights[name] = self.weights.get(name, 0.0) + weight
+
+    def result(self) -> dict:
+        return {"sums": self.sums, "weights": self.weights}
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    if device.type == "cpu":
+        return batch
+    return Batch({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every save and load of a rank without a process group (one worker, no FSDP) that
+    it assumes a single process, which is exactly the case: keep job logs free of it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -1,0 +1,1 @@
+"""Generation: the HF and vLLM engines, the rollout queue, weight sync, multi-turn turns."""

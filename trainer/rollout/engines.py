@@ -1,0 +1,185 @@
+"""Rollout engines: the interface the trainer generates through, and the transformers engine.
+
+An engine lives inside a `RolloutWorker` Ray actor (see workers.py). It takes token-id prompts and
+returns, for each prompt, `n` sampled responses (token ids, their log-probs under the engine, and
+why each stopped), grouped consecutively: prompt i's samples are results[i*n:(i+1)*n]. After every
+policy update the trainer pushes the new weights with `load_weights` (with `rollout.policy_lag=1`
+after the engine has finished the batch it generates meanwhile, see rollout_queue.py). With
+`placement.rollout_in_actor` an `HFEngine` wraps the policy worker's own model instead, and there is
+nothing to push.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SamplingSettings:
+    n: int = 1
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    greedy: bool = False
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, rollout_cfg, seed: int, greedy: bool = False) -> SamplingSettings:
+        return cls(
+            n=1 if greedy else rollout_cfg.n,
+            max_new_tokens=rollout_cfg.max_new_tokens,
+            temperature=rollout_cfg.temperature,
+            top_p=rollout_cfg.top_p,
+            top_k=rollout_cfg.top_k,
+            stop=list(rollout_cfg.stop),
+            greedy=greedy,
+            seed=seed,
+        )
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    """Generated tokens, including the end-of-sequence token when the model emitted one."""
+    logprobs: list[float]
+    """The engine's log-probability of each generated token (temperature applied)."""
+    finish_reason: str
+    """`stop` (end-of-sequence or a stop string) or `length`."""
+    loss_mask: list[int] | None = None
+    """Multi-turn rollouts (multiturn.py): 1 on generated tokens, 0 on the observation tokens the
+    trainer inserted (their log-probs are 0). None: every token was generated."""
+    turns: dict[str, int] | None = None
+    """Multi-turn rollouts: this sample's counts (turns, searches, invalid_calls, observation_tokens)."""
+
+
+class Completions(list):
+    """A list of Completion that crosses process boundaries as three plain lists. Pickled one by one
+    (as Ray does with a list of dataclasses), each sample costs a Python-level reducer call."""
+
+    def __reduce__(self):
+        return _completions, (
+            [c.token_ids for c in self],
+            [c.logprobs for c in self],
+            [c.finish_reason for c in self],
+            [c.loss_mask for c in self],
+            [c.turns for c in self],
+        )
+
+
+def _completions(
+    token_ids: list, logprobs: list, reasons: list, loss_masks: list | None = None, turns: list | None = None
+) -> Completions:
+    extra = zip(loss_masks, turns) if loss_masks is not None else ((None, None) for _ in token_ids)
+    return Completions(Completion(t, lp, r, m, n) for t, lp, r, (m, n) in zip(token_ids, logprobs, reasons, extra))
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def wake_weights(self) -> None: ...
+
+    def wake_kv_cache(self) -> None: ...
+
+
+class HFEngine:
+    """Generation with transformers' `generate`, on CPU or one GPU."""
+
+    def __init__(self, model, tokenizer, device: str | torch.device = "cpu"):
+        self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
+
+    @classmethod
+    def load(
+        cls, model_path: str, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False
+    ) -> HFEngine:
+        """An engine with its own copy of the model (a rollout worker's)."""
+        from ..inputs.models import load_causal_lm, load_tokenizer
+
+        model = load_causal_lm(model_path, dtype, trust_remote_code).to(device).eval()
+        return cls(model, load_tokenizer(model_path, trust_remote_code), device)
+
+    @torch.inference_mode()  # cheaper per op than no_grad, and generation needs no autograd at all
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]:
+        from transformers import GenerationConfig
+
+        tok = self.tokenizer
+        width = max(len(p) for p in prompts)
+        pad = tok.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        gen = GenerationConfig(
+            max_new_tokens=settings.max_new_tokens,
+            do_sample=not settings.greedy,
+            temperature=settings.temperature if not settings.greedy else None,
+            top_p=settings.top_p if not settings.greedy and settings.top_p < 1 else None,
+            top_k=settings.top_k if not settings.greedy and settings.top_k > 0 else 0,  # 0: off (None means 50)
+            num_return_sequences=settings.n,
+            pad_token_id=pad,
+            eos_token_id=tok.eos_token_id,
+            stop_strings=settings.stop or None,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        torch.manual_seed(settings.seed)
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=gen,
+            tokenizer=tok if settings.stop else None,
+        )
+        new_tokens = out.sequences[:, width:]
+        # Log-probs of the sampled tokens from the raw logits at the sampling temperature.
+        logits = torch.stack(out.logits, dim=1).float()
+        if not settings.greedy:
+            logits = logits / settings.temperature
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        results = []
+        eos = tok.eos_token_id
+        for row, lp in zip(new_tokens.tolist(), logprobs.tolist()):
+            length, reason = len(row), "length"
+            for i, t in enumerate(row):
+                if t == eos:
+                    length, reason = i + 1, "stop"
+                    break
+            if reason == "length" and settings.stop:
+                text = tok.decode(row, skip_special_tokens=True)
+                if any(s in text for s in settings.stop):
+                    reason = "stop"
+                    # generate already stopped this row at the stop string; the rest is padding
+                    while length > 0 and row[length - 1] == pad:
+                        length -= 1
+            results.append(Completion(row[:length], lp[:length], reason))
+        return results
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = params.get(name, buffers.get(name))
+                if target is None:
+                    raise KeyError(f"rollout engine has no weight named {name!r}")
+                target.copy_(tensor.to(target.device, target.dtype))
+
+    def sleep(self) -> None:  # the HF engine keeps its weights; nothing to free on CPU
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def wake_weights(self) -> None:
+        pass
+
+    def wake_kv_cache(self) -> None:
+        pass

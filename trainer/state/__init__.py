@@ -1,0 +1,1 @@
+"""What a run leaves on disk: checkpoints, sharded role state, bucket copies, the run directory."""
