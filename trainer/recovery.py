@@ -65,9 +65,11 @@ class StopRequest:
 
     def checkpoint_and_stop(self, trainer, last_ckpt) -> None:
         """After a completed step: save it (unless just saved) and end the run with one line."""
-        if last_ckpt is None or last_ckpt.name != f"{checkpoint.PREFIX}{trainer.step:06d}":
+        if last_ckpt is None or last_ckpt.name != f"{checkpoint.PREFIX}{trainer.global_step:06d}":
             last_ckpt = trainer.save_checkpoint()
-        raise Stopped(f"stopped by SIGTERM after step {trainer.step}, checkpointed in {last_ckpt}: {RESUME_BY_HAND}")
+        raise Stopped(
+            f"stopped by SIGTERM after step {trainer.global_step}, checkpointed in {last_ckpt}: {RESUME_BY_HAND}"
+        )
 
 
 def lost_component(exc: BaseException, roles) -> str | None:

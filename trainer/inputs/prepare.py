@@ -2,7 +2,7 @@
 failing in seconds with one line (the run directory, the checkpoint to resume, the reward function,
 the model's tokenizer, the prompts).
 
-    inputs = prepare(cfg)   # then connect, launch the roles, Trainer(cfg, roles, inputs).fit()
+    inputs = prepare(cfg)   # then launch the roles and Trainer(cfg, roles, inputs).fit() (job.py)
 """
 
 from __future__ import annotations
@@ -39,17 +39,17 @@ def prepare(cfg: Config) -> Inputs:
     written once its roles have started). A relative run_dir is placed under $CLOUDRL_RUNS_DIR."""
     quiet_transformers()
     cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
+    checkpoint.forget(cfg.trainer.run_dir)  # this run's timeline is decided below, from run_dir alone
     resume_from = resume_point(cfg.trainer.run_dir, cfg.trainer.resume)
     checkpoint.check_writable(cfg.trainer.run_dir)
     reward_fn = resolve_reward_fn(cfg.reward.function)
-    if cfg.rollout.engine == "vllm":
-        from ..rollout.vllm_engine import check_vllm_available
-
-        check_vllm_available()
     model_path = resolve_path(cfg.model.path, cfg)
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
     critic_path = resolve_path(cfg.critic.model_path, cfg) if cfg.critic.model_path else model_path
     resume = open_resume(cfg, resume_from, model_path, critic_path) if resume_from else None
+    if resume is not None:
+        checkpoint.check_unfinished(resume, cfg.trainer.total_steps)
+    checkpoint.begin_timeline(cfg.trainer.run_dir, resume_from, continuing=cfg.trainer.resume == "auto")
     d = cfg.data
     common = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, data_cfg=d, seed=cfg.trainer.seed)
     train_records = load_prompts(d.train_files, tokenizer, split="train", **common)
@@ -59,9 +59,13 @@ def prepare(cfg: Config) -> Inputs:
 
 
 def open_resume(cfg: Config, path: Path, model_path: str, critic_path: str) -> checkpoint.Checkpoint:
-    """Read the checkpoint to resume and refuse it, in one line, unless it fits this run's config."""
+    """Read the checkpoint to resume (checked against its manifest, read as data) and refuse it, in one
+    line, unless it fits this run's config; resume=auto also refuses one saved by another run (other
+    models, data, reward or algorithm)."""
     roles = {"actor": model_path, **({"critic": critic_path} if cfg.uses_critic else {})}
     ckpt = checkpoint.load(path, list(roles))
+    if cfg.trainer.resume == "auto":
+        checkpoint.check_same_run(ckpt, cfg)
     shapes = {role: checkpoint.expected_shapes(p, role, cfg.model.trust_remote_code) for role, p in roles.items()}
     checkpoint.check_matches(ckpt, cfg, {role: s for role, s in shapes.items() if s is not None})
     return ckpt

@@ -121,7 +121,9 @@ def _role_request(cfg: Config, role: str) -> RoleRequest:
 def _rollout_request(cfg: Config) -> RoleRequest:
     r = cfg.rollout
     if r.engine == "vllm":
-        gpus = float(r.tensor_parallel_size) if r.gpus_per_engine > 0 or r.tensor_parallel_size > 1 else 0.0
+        # On a GPU run a vLLM engine always owns its GPUs: the GPU build cannot run on a CPU-only slot.
+        on_gpus = r.gpus_per_engine > 0 or r.tensor_parallel_size > 1 or cfg.actor.gpus_per_node > 0
+        gpus = float(r.tensor_parallel_size) if on_gpus else 0.0
         cpus = r.cpus_per_engine * r.tensor_parallel_size
         keys = f"rollout.num_engines={r.num_engines} x rollout.tensor_parallel_size={r.tensor_parallel_size}"
     else:

@@ -1,9 +1,9 @@
 """Generation on the rollout engines, with at most one batch in flight (`rollout.policy_lag=1`), the
 batch's rewards, and the weights the engines generate with.
 
-    got = queue.take(step, prompts, settings)       # step's batch: started earlier, or now
-    queue.start(step + 1, next_prompts, settings)   # generates while this step trains
-    scores = got.scores()                           # scored on the reward workers as each part finished
+    got = queue.take(step, prompts, settings, then=(next_prompts, next_settings))
+                              # step's batch (started earlier, or now); with `then`, the next step's starts
+    scores = got.scores()     # scored on the reward workers as each part finished
     ...update...
     queue.push(weights_ref)   # the engines load the new weights next; the previous push is checked first
     queue.settle()            # in turn: wait for this push
@@ -20,6 +20,9 @@ A batch started before an update is generated with the weights of the step befor
 many weight versions it lags behind the ones pushed since, which the driver logs and corrects with
 importance weights (`rollout.logprob_correction_cap`). With `policy_lag=0` every batch is started in
 `take` and the lag is 0.
+
+`StepsInFlight` holds the other half of the overlap: with `policy_lag=1` a step's update is collected
+only at the end of the next step, so the driver's step itself reads straight through.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..algo.batch import from_wire, split_evenly
+from ..metrics import Timer, combine
 from ..waiting import get_all
+from .multiturn import turn_metrics
 
 if TYPE_CHECKING:
     from ..inputs.data import PromptRecord
@@ -52,6 +57,16 @@ class Rollouts:
         import torch
 
         return torch.cat([from_wire(s) for s in ray.get(self.score_refs)])
+
+    def metrics(self, response_mask) -> dict[str, float]:
+        """What the batch looked like: lengths, truncation, policy lag, the wait, multi-turn counts."""
+        return {
+            "timing/rollout_wait": self.waited_s,
+            "rollout/response_length": float(response_mask.sum(-1).mean()),
+            "rollout/truncated": sum(c.finish_reason == "length" for c in self.completions) / len(self.completions),
+            "rollout/policy_lag": self.lag,
+            **turn_metrics(self.completions),
+        }
 
 
 @dataclass
@@ -100,15 +115,20 @@ class RolloutQueue:
         assert self.pending is None, "one batch in flight at most"
         self.pending = self._launch(step, prompts, settings)
 
-    def take(self, step: int, prompts: list[PromptRecord], settings) -> Rollouts:
-        """`step`'s samples: the batch in flight (it must be this step's), or generated now."""
+    def take(self, step: int, prompts: list[PromptRecord], settings, then: tuple | None = None) -> Rollouts:
+        """`step`'s samples: the batch in flight (it must be this step's), or generated now. `then`:
+        (prompts, settings) of step + 1, started right away, before this step's update
+        (`rollout.policy_lag=1`); None to start nothing."""
         import ray
 
         if self.pending is None:
             self.start(step, prompts, settings)
-        batch, self.pending = self.pending, None
+        batch = self.pending
+        self.pending = None
         if batch.step != step or batch.prompt_ids != [p.prompt_ids for p in prompts]:
             raise RuntimeError(f"step {step}: the batch in flight was started for step {batch.step} with other prompts")
+        if then is not None:
+            self.start(step + 1, *then)
         t0 = time.perf_counter()
         completions = [c for part in ray.get(batch.refs) for c in part]
         return Rollouts(completions, self.version - batch.version, time.perf_counter() - t0, batch.score_refs)
@@ -145,3 +165,73 @@ class RolloutQueue:
             "timing/engine_weight_wait": max(r["idle_s"] for r in loads),
             "timing/engine_load": max(r["load_s"] for r in loads),
         }
+
+
+@dataclass
+class SentStep:
+    """A step whose update calls were sent to the actor and critic workers, not yet collected."""
+
+    step: int
+    metrics: dict
+    """Everything but the update's statistics."""
+    timer: Timer
+    started: float
+    """perf_counter at the step's start."""
+    update_sent: float
+    """perf_counter when the updates were sent."""
+    actor_refs: list
+    critic_refs: list
+    tokens: float
+    """Prompt and response tokens of the step's batch (for perf/tokens_per_s)."""
+
+
+class StepsInFlight:
+    """Collects the updates of sent steps. A step is held while the next one runs (`rollout.policy_lag=1`:
+    the next batch already generates with the weights before this update) unless something must see its
+    weights first; then it is collected at the end of the next step. Without policy lag no step is held.
+
+        finished = in_flight.add(sent, hold=...)   # [(step, metrics)] of the steps collected now, in order
+    """
+
+    def __init__(self, queue: RolloutQueue, settle_each_step: bool):
+        """`settle_each_step`: wait for the step's weight push to be loaded before it counts as finished
+        (in turn, without policy lag; the push's load timings join its metrics)."""
+        self.queue = queue
+        self.settle_each_step = settle_each_step
+        self.held: SentStep | None = None
+        self.last_finished = 0.0
+        """perf_counter when the last step was collected."""
+
+    def add(self, sent: SentStep, hold: bool) -> list[tuple[int, dict]]:
+        finished = []
+        if self.held is not None:
+            finished.append(self.collect(self.held))
+            self.held = None
+        if hold:
+            self.held = sent
+        else:
+            finished.append(self.collect(sent))
+        return finished
+
+    def collect(self, sent: SentStep) -> tuple[int, dict]:
+        """The step's metrics once its updates are done (and, in turn, the engines have the new weights).
+        `timing/step` is the time since the previous step was collected, or since this one started."""
+        import ray
+
+        metrics = sent.metrics
+        timer = sent.timer
+        metrics.update(combine([r.stats for r in ray.get(sent.actor_refs)]))
+        metrics["timing/update_actor"] = time.perf_counter() - sent.update_sent
+        if sent.critic_refs:
+            metrics.update(combine([r.stats for r in ray.get(sent.critic_refs)]))
+            metrics["timing/update_critic"] = time.perf_counter() - sent.update_sent
+        timer.add("update", time.perf_counter() - sent.update_sent)
+        if self.settle_each_step:
+            with timer("sync"):
+                metrics.update(self.queue.settle())
+        now = time.perf_counter()
+        metrics.update(timer.times)
+        metrics["timing/step"] = now - max(sent.started, self.last_finished)
+        metrics["perf/tokens_per_s"] = sent.tokens / metrics["timing/step"]
+        self.last_finished = now
+        return sent.step, metrics

@@ -5,7 +5,7 @@ Two paths (docs/vllm.md, "How the weights get to the engines"):
 - Object store (CPU, and the default everywhere; tested end to end). Actor rank 0 gathers the full
   state dict (Hugging Face names, CPU tensors) and returns it from `PolicyWorker.weights`; Ray keeps
   that one copy in the object store and every `RolloutWorker.load_weights` reads it from there
-  (driver.py, `sync_weights`). Each engine copies the tensors into its model in memory.
+  (`WeightPush` below, which the driver calls once per step). Each engine copies the tensors into its model in memory.
 - NCCL or CUDA IPC (GPU only). `WeightSyncGroup` below drives vLLM's own weight-transfer engines
   (vLLM 0.32): an NCCL broadcast group between actor rank 0 and every engine worker (rank 0 sends,
   engine e's tensor-parallel workers are ranks 1 + e*tp ...), or CUDA IPC handles when the engines
@@ -33,9 +33,117 @@ Nothing here imports Ray or vLLM at import time.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from ..waiting import get_all
 
 DEFAULT_TIMEOUT_S = 600.0
+
+PushMode = Literal["none", "object_store", "nccl"]
+
+
+class WeightPush:
+    """The driver's side of the weight sync: after every update, the new policy weights to every engine,
+    by the one path this run uses, chosen once here.
+
+    - "none": the rollout runs inside the actor (`placement.rollout_in_actor`), which generates with the
+      weights it trains: nothing to push.
+    - "object_store": actor rank 0's state dict goes into Ray's object store once and every engine loads
+      it after the batch it is generating (`RolloutQueue.push`); the driver does not wait.
+    - "nccl": vLLM engines on GPUs next to a CUDA actor: the actor ranks broadcast the weights over NCCL
+      (CUDA IPC when colocated, `WeightSyncGroup`); the driver waits for the broadcast.
+
+    Engines that sleep between rollouts (`rollout.sleep_between_rollouts`) give their GPU memory to the
+    update (`release_engines`) and are woken around the load, on every path: the weights first, then,
+    once the new weights are in, the KV cache. After every push each engine is fully awake.
+
+        push = WeightPush(cfg, roles, queue)   # opens the NCCL group where that is the path
+        push.release_engines()                 # after the rollout
+        timings = push(after=update_refs)      # after the update was sent
+    """
+
+    def __init__(self, cfg, roles, queue):
+        self.roles = roles
+        self.queue = queue
+        self.timeout_s = cfg.trainer.worker_timeout_s
+        self.sleeps = cfg.rollout.sleep_between_rollouts
+        self.mode: PushMode = self.choose(cfg, roles)
+        if self.mode == "nccl":
+            self.open_group()
+
+    @staticmethod
+    def choose(cfg, roles) -> PushMode:
+        """NCCL only where the actor really computes on CUDA and the engines are vLLM on GPUs: a
+        rehearsal on logical GPUs keeps the object store."""
+        if roles.rollout_in_actor:
+            return "none"
+        engines_on_gpu = (
+            cfg.rollout.gpus_per_engine > 0 or cfg.rollout.tensor_parallel_size > 1 or cfg.placement.colocate_all
+        )
+        if cfg.rollout.engine != "vllm" or cfg.actor.gpus_per_node <= 0 or not engines_on_gpu:
+            return "object_store"
+        on_cuda = roles.actor.where()[0]["device"].startswith("cuda")
+        return "nccl" if on_cuda else "object_store"
+
+    def open_group(self) -> None:
+        """Every actor rank joins the NCCL group with every engine worker (rank 0's address)."""
+        import ray
+
+        actor = self.roles.actor
+        addr, port = ray.get(actor.workers[0].master_address.remote())
+        get_all(
+            [w.open_weight_sync.remote(self.roles.rollout.workers, addr, port) for w in actor.workers],
+            actor.labels(),
+            self.timeout_s,
+            f"opening the weight sync with the engines at {addr}:{port}",
+        )
+
+    def release_engines(self) -> None:
+        """With sleep mode, the engines free their weights and KV cache once the rollout is taken."""
+        if not self.sleeps:
+            return
+        engines = self.roles.rollout
+        get_all(
+            [e.sleep.remote() for e in engines.workers],
+            engines.labels(),
+            self.timeout_s,
+            "putting the engines to sleep",
+        )
+
+    def __call__(self, after: list = ()) -> dict[str, float]:
+        """Push the weights once the update calls `after` are done. Returns the engines' load timings
+        (on the object store path, those of the previous push: `RolloutQueue.push`)."""
+        import ray
+
+        if self.mode == "none":
+            return {}
+        engines, actor = self.roles.rollout, self.roles.actor
+        if self.mode == "nccl" or self.sleeps:
+            ray.wait(list(after), num_returns=len(after))  # the update first: its failure raises when collected
+        if self.sleeps:  # weights first; the KV cache only once the new weights are in
+            get_all(
+                [e.wake_weights.remote() for e in engines.workers],
+                engines.labels(),
+                self.timeout_s,
+                "waking the engines",
+            )
+        if self.mode == "nccl":  # the actor drives the engines' side, each after its batch in flight
+            self.queue.pushed_by_actor()
+            get_all([w.push_weights.remote() for w in actor.workers], actor.labels(), self.timeout_s, "the weight sync")
+            timings = {}
+        else:
+            weights = [w.weights.remote() for w in actor.workers]
+            timings = self.queue.push(weights[0], weights[1:], actor.labels()[1:])
+            if self.sleeps:
+                timings = self.queue.settle()
+        if self.sleeps:
+            get_all(
+                [e.wake_kv_cache.remote() for e in engines.workers],
+                engines.labels(),
+                self.timeout_s,
+                "allocating the engines' KV cache",
+            )
+        return timings
 
 
 class EngineClient:
@@ -73,23 +181,32 @@ class EngineClient:
         self._wait([w.finish_weight_update.remote() for w in self.workers], "finishing a weight update")
 
 
-def cast_source(model, dtype=None):
-    """vLLM's weight source over `model.named_parameters()`, sending `dtype` (the engines' dtype,
-    e.g. bf16 from fp32 master weights: half the bytes on the wire) when given."""
+def cast_source(model, dtype=None, device=None):
+    """vLLM's weight source over `model.named_parameters()`, sending `dtype` (the engines' dtype, e.g. bf16
+    from fp32 master weights: half the bytes on the wire) and on `device` when given. The device matters
+    with `actor.cpu_offload=true`: FSDP2 then gathers each full tensor on the CPU, but NCCL's broadcast
+    and CUDA IPC both need it on this rank's GPU."""
     from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, materialize_full_tensor
 
-    if dtype is None:
+    if dtype is None and device is None:
         return ModuleSource(model)
 
     class CastSource(ModuleSource):
         def metadata(self) -> list:
-            return [ParamMeta(m.name, dtype, m.shape) for m in super().metadata()]
+            return [ParamMeta(m.name, dtype or m.dtype, m.shape) for m in super().metadata()]
 
         def __iter__(self):
             for name, param in self._module.named_parameters():
-                yield name, materialize_full_tensor(param).to(dtype)
+                yield name, materialize_full_tensor(param).to(device=device, dtype=dtype)
 
     return CastSource(model)
+
+
+def send_device():
+    """Where the weight push puts each tensor before vLLM sends it: this rank's GPU (None on a CPU rank)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 class WeightSyncGroup:
@@ -121,7 +238,7 @@ class WeightSyncGroup:
         dtype=None,
     ):
         client = EngineClient(rollout_workers, tensor_parallel_size, timeout_s=timeout_s)
-        source = cast_source(model, dtype)  # Hugging Face names; full_tensor() under FSDP
+        source = cast_source(model, dtype, send_device())  # Hugging Face names; full_tensor() under FSDP
         if backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import (
                 NCCLTrainerInitInfo,
@@ -139,7 +256,10 @@ class WeightSyncGroup:
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
             self.transfer = IPCTrainerWeightTransferEngine.trainer_init(
-                IPCTrainerInitInfo(rank=rank), client=client, source=source
+                # packed: one bounded buffer (1 GiB) at a time, not a full copy of the model per rank
+                IPCTrainerInitInfo(rank=rank, packed=True),
+                client=client,
+                source=source,
             )
         else:
             raise ValueError(f"unknown weight sync backend {backend!r}: use nccl or ipc")
@@ -147,6 +267,3 @@ class WeightSyncGroup:
     def push(self) -> None:
         """Send every parameter; returns when the engines have loaded them."""
         self.transfer.send_weights()
-
-    def close(self) -> None:
-        self.transfer.shutdown()
