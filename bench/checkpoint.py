@@ -106,7 +106,7 @@ def _worker(rank: int, world: int, port: int, mode: str, folder: str, shape: tup
         dist.barrier()
         gc.collect()
         with PeakRss() as load:
-            worker.set_state(torch.load(file, map_location="cpu", weights_only=False))
+            worker.set_state(torch.load(file, map_location="cpu", weights_only=True))
     dist.barrier()
     row.update(save_s=save.seconds, save_mb=save.delta / 2**20, load_s=load.seconds, load_mb=load.delta / 2**20)
     if rank == 0:

@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     elif world > 1:
         res["vllm"] = "skipped: run it with --world 1"
     elif not cuda:
-        res["vllm"] = "skipped: needs CUDA (the CPU engine is covered by tests/test_vllm_engine.py)"
+        res["vllm"] = "skipped: needs CUDA (the CPU engine is covered by tests/rollout/test_vllm_engine.py)"
     elif importlib.util.find_spec("vllm") is None:
         res["vllm"] = "skipped: vllm is not installed"
     else:

@@ -1,10 +1,11 @@
 """The `cloudrl` command: submit the trainer to a Ray cluster and watch it from this machine.
 
 Commands stay thin: parse, call one function of their module, print. Expected failures are
-CloudrlError; the command group (`typer_compat.OneLineErrors`) prints them as one red line on stderr
-and exits 1 (CLOUDRL_DEBUG=1 shows the traceback instead). Usage errors (an unknown option, a missing argument, a value click
-cannot parse) are one red line too, naming the command's --help, with click's exit status 2. Ray and
-dstack are imported inside the modules' functions, so `cloudrl --help` stays fast.
+TrainerErrors (CloudrlError, ClusterUnreachable, the trainer's config errors); the command group
+(`typer_compat.OneLineErrors`) prints them as one red line on stderr and exits 1 (CLOUDRL_DEBUG=1 shows
+the traceback instead). Usage errors (an unknown option, a missing argument, a value click cannot
+parse) are one red line too, naming the command's --help, with click's exit status 2. Ray and dstack
+are imported inside the modules' functions, so `cloudrl --help` stays fast.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Annotated, Any
 
 import typer
 
+from .pins import DASHBOARD_PORT
 from .typer_compat import OneLineErrors
+from .validate import validate as _validate
 
 app = typer.Typer(
     cls=OneLineErrors,
@@ -36,20 +39,28 @@ AddressOpt = Annotated[
         "--address",
         "-a",
         show_default=False,
-        help="The Ray dashboard's URL. Default: $RAY_ADDRESS, else http://127.0.0.1:8265 (where `dstack apply` "
-        "and `cloudrl dashboard` forward it).",
+        help=f"The Ray dashboard's URL. Default: $RAY_ADDRESS, else http://127.0.0.1:{DASHBOARD_PORT} "
+        "(where `dstack apply` and `cloudrl dashboard` forward it).",
     ),
 ]
 LocalOpt = Annotated[bool, typer.Option("--local", help="Use the cluster `cloudrl local up` started.")]
+InsecureOpt = Annotated[
+    bool,
+    typer.Option(
+        "--insecure-http",
+        help="Send the Ray token over plain http:// to a host other than this machine (anyone on the path "
+        "can read it). Default: refused; forward the dashboard with `cloudrl dashboard` or use https://.",
+    ),
+]
 JobArg = Annotated[
     str, typer.Argument(help="The job id `cloudrl submit` printed (see `cloudrl list`).", show_default=False)
 ]
 
 
-def _client(address: str | None, local: bool) -> Any:
+def _client(address: str | None, local: bool, insecure_http: bool = False) -> Any:
     from .ray_api import ClusterClient, resolve_address
 
-    return ClusterClient(resolve_address(address, local))
+    return ClusterClient(resolve_address(address, local), insecure_http=insecure_http)
 
 
 def _follow(client: Any, job_id: str, watch: Any = None) -> None:
@@ -117,7 +128,8 @@ def submit(
             "--env",
             "-e",
             show_default=False,
-            help="Name of a variable of this shell to pass to the job (repeatable); its value is never printed.",
+            help="Name of a variable of this shell to pass to the job (repeatable); its value is never printed, "
+            "and travels inside the job's package, never in Ray's job table or logs.",
         ),
     ] = None,
     dry_run: Annotated[
@@ -135,8 +147,9 @@ def submit(
             "-w",
             show_default=False,
             file_okay=False,
-            help="Also ship this directory's tree (your own code) as the job's working directory; "
-            ".gitignore and .cloudrlignore patterns are left out.",
+            help="Also ship this directory's tree (your own code) as the job's working directory: in a git work "
+            "tree what `git ls-files` lists, else what its .gitignore files leave; never .cloudrlignore patterns, "
+            "credential files (.env, .aws/, .ssh/, *.pem) or links out of the tree (--dry-run lists them).",
         ),
     ] = None,
     requirements: Annotated[
@@ -166,6 +179,7 @@ def submit(
             "checkpoint (0: fail at once).",
         ),
     ] = 1800,
+    insecure_http: InsecureOpt = False,
 ) -> None:
     """Check the config and the cluster in seconds, then run the trainer there as a Ray job.
 
@@ -190,7 +204,7 @@ def submit(
             where = Address("(the local cluster)", "local") if local else resolve_address(address)
             typer.echo(sub.dry_run_text(cfg, req, where, zipped), nl=False)
             return
-        _submit(sub, cfg, req, env_values, (files_zip, zipped), address, local, follow, reconnect_wait)
+        _submit(sub, cfg, req, env_values, (files_zip, zipped), address, local, follow, reconnect_wait, insecure_http)
 
 
 def _start_local_cluster() -> None:
@@ -214,13 +228,16 @@ def _submit(
     local: bool,
     follow: bool,
     reconnect_wait: float,
+    insecure_http: bool = False,
 ) -> None:
     """The cluster half of `submit`: start the local cluster if asked, preflight, send, follow (through a
     cluster restart, waiting up to `reconnect_wait` seconds for it to answer again)."""
     from .ray_api import ClusterClient, resolve_address
 
     files_zip, zipped = files
-    client = ClusterClient(resolve_address(address, local, start_local=_start_local_cluster))
+    client = ClusterClient(
+        resolve_address(address, local, start_local=_start_local_cluster), insecure_http=insecure_http
+    )
     typer.echo(sub.preflight(client, cfg))
     if files_zip is not None:
         typer.echo(
@@ -250,11 +267,12 @@ def status(
     ] = None,
     address: AddressOpt = None,
     local: LocalOpt = False,
+    insecure_http: InsecureOpt = False,
 ) -> None:
     """Show a job's status and the latest training metrics it logged."""
     from .jobs import status_text
 
-    typer.echo(status_text(_client(address, local), job))
+    typer.echo(status_text(_client(address, local, insecure_http), job))
 
 
 @app.command(epilog="Examples: cloudrl logs local-20250101-120000-a1b2 --follow; cloudrl logs --node 1")
@@ -272,42 +290,44 @@ def logs(
             "--node",
             metavar="N",
             show_default=False,
-            help="Instead of a job's logs: one node's Ray worker logs. N: 0 = the head, then by IP; or an IP or node id.",
+            help="Instead of a job's logs: one node's Ray worker logs. N: 0 = the head, then by IP; "
+            "or an IP or node id.",
         ),
     ] = None,
     lines: Annotated[int, typer.Option("--lines", help="With --node: the last lines of each file.")] = 50,
     glob: Annotated[str, typer.Option("--glob", help="With --node: which of Ray's log files.")] = "worker-*",
     address: AddressOpt = None,
     local: LocalOpt = False,
+    insecure_http: InsecureOpt = False,
 ) -> None:
     """Print a job's logs (its driver's stdout and stderr), or with --node one node's worker logs."""
-    from .jobs import job_logs
+    from .jobs import job_logs, safe_text
     from .node_logs import job_or_node, node_logs_text
 
     job_or_node(job, node, follow)
-    client = _client(address, local)
+    client = _client(address, local, insecure_http)
     if node is not None:
         typer.echo(node_logs_text(client, node, lines, glob), nl=False)
     elif follow:
         _follow(client, job)
     else:
-        typer.echo(job_logs(client, job), nl=False)
+        typer.echo(safe_text(job_logs(client, job)), nl=False)
 
 
 @app.command(epilog="Example: cloudrl stop local-20250101-120000-a1b2")
-def stop(job: JobArg, address: AddressOpt = None, local: LocalOpt = False) -> None:
+def stop(job: JobArg, address: AddressOpt = None, local: LocalOpt = False, insecure_http: InsecureOpt = False) -> None:
     """Stop a running job and wait until Ray reports it stopped."""
     from .jobs import stop as stop_job
 
-    typer.echo(stop_job(_client(address, local), job))
+    typer.echo(stop_job(_client(address, local, insecure_http), job))
 
 
-@app.command("list", epilog="Example: cloudrl list --address http://127.0.0.1:8265")
-def list_(address: AddressOpt = None, local: LocalOpt = False) -> None:
+@app.command("list", epilog=f"Example: cloudrl list --address http://127.0.0.1:{DASHBOARD_PORT}")
+def list_(address: AddressOpt = None, local: LocalOpt = False, insecure_http: InsecureOpt = False) -> None:
     """List the cluster's jobs: id, status, start, duration and preset."""
     from .jobs import list_text
 
-    typer.echo(list_text(_client(address, local)))
+    typer.echo(list_text(_client(address, local, insecure_http)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,10 +359,12 @@ def dashboard(
             "--port",
             "-p",
             show_default=False,
-            help="Local port on 127.0.0.1. Default: 8265 if free, else any free port; 0 = any free port.",
+            help=f"Local port on 127.0.0.1. Default: {DASHBOARD_PORT} if free, else any free port; 0 = any free port.",
         ),
     ] = None,
-    remote_port: Annotated[int, typer.Option("--remote-port", help="The dashboard's port on the head node.")] = 8265,
+    remote_port: Annotated[
+        int, typer.Option("--remote-port", help="The dashboard's port on the head node.")
+    ] = DASHBOARD_PORT,
     ssh_option: Annotated[
         list[str] | None,
         typer.Option(
@@ -450,7 +472,7 @@ def local_up(
             envvar="CLOUDRL_LOCAL_DASHBOARD_PORT",
             help="Dashboard port on 127.0.0.1; another free one if taken; 0 = any free port.",
         ),
-    ] = 8265,
+    ] = DASHBOARD_PORT,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for all nodes to join.")] = 120.0,
 ) -> None:
     """Start a Ray cluster of N nodes on this machine and wait until every node has joined."""
@@ -462,6 +484,8 @@ def local_up(
     typer.echo(
         f"local cluster up: {nodes} node(s) x {state['cpus_per_node']} CPUs, "
         f"dashboard {state['dashboard_url']}\n"
+        f"token:   {state['token_file']} (Ray token auth: the CLI sends it to this cluster only; "
+        f"the browser's dashboard asks for it)\n"
         f"submit:  cloudrl submit --local\n"
         f"stop it: cloudrl local down"
     )
@@ -475,14 +499,8 @@ def local_down() -> None:
     local_cluster.down(echo=typer.echo)
 
 
-# `cloudrl validate` comes from the bundle module; it stays registered here.
-try:
-    from .validate import validate as _validate
-except ModuleNotFoundError as exc:  # only while the bundle module is not in this checkout
-    if exc.name != f"{__package__}.validate":
-        raise
-else:
-    app.command("validate", epilog="Example: cloudrl validate   (in the checkout, before `dstack apply`)")(_validate)
+# `cloudrl validate` lives with the bundle checks (cli/validate.py); it is registered here like the rest.
+app.command("validate", epilog="Example: cloudrl validate   (in the checkout, before `dstack apply`)")(_validate)
 
 
 def main() -> None:

@@ -3,10 +3,11 @@ dstack's parser accepts it.
 
 Per task or fleet: a GPU spec that pins no vendor (dstack's own defaulting decides, run here), the Ray
 dashboard port not forwarded from the head, changed, or listed on a worker group; a command that runs a
-script no `files:` entry ships; secrets written into `env:`; a Ray task without the RAY_AUTH_TOKEN the
-bootstrap requires; an image whose tag names a vLLM outside cloudrl's supported line. Per shipped script:
-CRLF line endings and what `bash -n` rejects. Across files: a task compared with every fleet of the bundle
-it names in `fleets:` (node count, disk, memory, spot policy, GPU vendor and count).
+script no `files:` entry ships, or the bootstrap shipped without the files beside it that it uses; secrets
+written into `env:`; a Ray task without the RAY_AUTH_TOKEN the bootstrap requires; an image whose tag names
+a vLLM outside cloudrl's supported line. Per shipped script: CRLF line endings and what `bash -n` rejects.
+Across files: a task compared with every fleet of the bundle it names in `fleets:` (node count, disk,
+memory, spot policy, GPU vendor and count).
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ UNCONFIRMED_IMAGES = {"vllm/vllm-openai-rocm:v0.32.0"}
 VLLM_IN_TAG = re.compile(r"vllm[_-]?v?(\d+)\.(\d+)|vllm[^:]*:v?(\d+)\.(\d+)", re.IGNORECASE)
 SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)$", re.IGNORECASE)
 SCRIPT_WORD = re.compile(r"^[\w./-]+\.(sh|py)$")
+# The files tasks/ray-bootstrap.sh uses from its own directory, so a task ships them beside it; and what for.
+BOOTSTRAP_FILES = {
+    "ray_bringup.py": "which every node runs (its Ray flags; on the head the wait for the nodes, the fabric "
+    "check, the ready line)",
+    "retriever.sh": "which it sources when CLOUDRL_RETRIEVER_INDEX is set",
+}
 
 
 def task_and_fleet_problems(rel: str, data: dict, path: Path, root: Path) -> list[Problem]:
@@ -254,15 +261,20 @@ def _files_vs_commands(rel: str, data: dict) -> list[Problem]:
             landed.add(Path(str(entry.get("path") or entry.get("local_path"))).as_posix())
     problems = []
     for shipped in sorted(landed):
-        sibling = (Path(shipped).parent / "ray_bringup.py").as_posix()
-        if Path(shipped).name == "ray-bootstrap.sh" and sibling not in landed:
+        if Path(shipped).name != "ray-bootstrap.sh":
+            continue
+        missing = [
+            (name, (Path(shipped).parent / name).as_posix(), why)
+            for name, why in BOOTSTRAP_FILES.items()
+            if (Path(shipped).parent / name).as_posix() not in landed
+        ]
+        if missing:
             problems.append(
                 Problem(
                     rel,
                     "files",
-                    f"ships {shipped} without {sibling}, which its head runs (the "
-                    "wait for the nodes, the fabric check, the ready line)",
-                    f"add `- ray_bringup.py:{sibling}`",
+                    f"ships {shipped} without " + " and ".join(f"{sibling}, {why}" for _, sibling, why in missing),
+                    "add " + " and ".join(f"`- {name}:{sibling}`" for name, sibling, _ in missing),
                 )
             )
     for key, command in _commands(data):

@@ -21,16 +21,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cloudrl.trainer.errors import ClusterUnreachable
+
 from .errors import CloudrlError
-from .local_cluster import port_free
+from .local_cluster import Echo, port_free
 from .pins import DASHBOARD_PORT
-from .ray_api import Address, ClusterClient, check_port
+from .ray_api import Address, AuthRefused, ClusterClient, check_port
 
 TASK_FILE = Path("tasks") / "ray-cluster.dstack.yml"
 SSH_READY_TIMEOUT_S = 30.0
 SSH_READY_TIMEOUT_TTY_S = 120.0  # time to type a password or passphrase
-
-Echo = Callable[[str], None]
 
 
 @dataclass
@@ -85,19 +85,15 @@ def pick_local_port(wanted: int | None) -> int:
 
 
 def forward_dstack(run_name: str | None, port: int | None, remote_port: int = DASHBOARD_PORT) -> Forward:
-    try:
-        import dstack.api as dstack_api
+    from .dstack_compat import dstack_api
 
-        from .dstack_compat import NAMES, resolve
+    # First: without dstack, this is the one line that names the fix.
+    PortMapping = dstack_api(", or use `cloudrl dashboard --ssh HOST`").PortMapping
+    import dstack.api as dstack_client
 
-        PortMapping = resolve(*NAMES["PortMapping"])
-    except ImportError:
-        raise CloudrlError(
-            "dstack is not installed here: pip install 'cloudrl[dstack]', or use `cloudrl dashboard --ssh HOST`"
-        ) from None
     name = run_name or default_run_name()
     try:
-        client = dstack_api.Client.from_config()
+        client = dstack_client.Client.from_config()
         run = client.runs.get(name)
     except Exception as exc:
         raise _dstack_error(
@@ -108,7 +104,7 @@ def forward_dstack(run_name: str | None, port: int | None, remote_port: int = DA
             f"no dstack run named {name!r} in project {client.project!r}: start it with "
             f"`dstack apply -f {TASK_FILE}`, or name one that `dstack ps` lists"
         )
-    if run.status != dstack_api.RunStatus.RUNNING:
+    if run.status != dstack_client.RunStatus.RUNNING:
         state = getattr(run.status, "value", run.status)
         hint = (
             "wait until `dstack ps` shows it running, then run this again"
@@ -154,6 +150,9 @@ def _dstack_error(exc: Exception, what: str) -> Exception:
 def forward_ssh(
     host: str, port: int | None, remote_port: int = DASHBOARD_PORT, ssh_options: list[str] | None = None
 ) -> Forward:
+    if host.startswith("-"):
+        # ssh would read it as an option (`-oProxyCommand=...` runs a command here).
+        raise CloudrlError(f"--ssh {host!r} is not a host name: a host never starts with '-' (give user@host)")
     ssh = shutil.which("ssh")
     if ssh is None:
         raise CloudrlError("the `ssh` command is not installed here: install OpenSSH's client")
@@ -177,7 +176,7 @@ def forward_ssh(
         args += ["-o", "BatchMode=yes"]  # no terminal: fail instead of waiting on a password prompt
     for option in ssh_options or []:
         args += ["-o", option]
-    args.append(host)
+    args += ["--", host]  # the end of the options: whatever `host` says, it is the destination
     errors = tempfile.TemporaryFile()
     # With a terminal, ssh shares it (and our process group) to ask for a password if it must.
     proc = subprocess.Popen(
@@ -214,11 +213,19 @@ def forward_ssh(
             hint = ""
             if "Permission denied" in message and not interactive:
                 hint = ": no terminal to type a password, so use a key (ssh-copy-id, or -o IdentityFile=KEY)"
+            elif "Could not resolve hostname" in message:
+                hint = (
+                    ": the name does not resolve here; check its spelling, give the head's IP address "
+                    "(user@10.0.0.5), or add a `Host` entry with its HostName to ~/.ssh/config"
+                )
             raise CloudrlError(f"ssh to {host} exited ({message}){hint}")
         try:
             probe.ray_version()
             return Forward(url, owned=True, close=close, alive=lambda: proc.poll() is None)
-        except CloudrlError as exc:
+        except AuthRefused:  # the forward works: the cluster wants a token, and waiting will not bring one
+            close()
+            raise
+        except (ClusterUnreachable, CloudrlError) as exc:
             last = str(exc).split(" (", 1)[-1].split(")", 1)[0]
         if time.monotonic() > deadline:
             close()
@@ -238,7 +245,7 @@ def forward_ssh(
 def describe(forward: Forward, what: str) -> str:
     try:
         version = f"Ray {ClusterClient(Address(forward.url, '--address')).ray_version()}"
-    except CloudrlError:
+    except (ClusterUnreachable, CloudrlError):
         version = "the dashboard does not answer yet; the cluster may still be starting"
     lines = [f"Ray dashboard of {what}: {forward.url}  ({version})"]
     flag = "" if forward.url.endswith(f":{DASHBOARD_PORT}") else f" --address {forward.url}"

@@ -20,7 +20,7 @@ from .errors import CloudrlError
 
 GSM8K_HUB = "openai/gsm8k:main"
 # The instruction the gsm8k reward's strict format needs; trainer/presets/gsm8k-7b.yaml's
-# data.prompt_template is the same text (tests/test_hub_datasets.py keeps them equal).
+# data.prompt_template is the same text (tests/inputs/test_hub_datasets.py keeps them equal).
 GSM8K_TEMPLATE = '{prompt} Show your work, then give the final number after "####".'
 
 

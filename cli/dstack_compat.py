@@ -1,10 +1,11 @@
 """The one place cloudrl reaches into dstack's private modules (`dstack._internal`, dstack 0.22.5).
 
 dstack has no public API for its configuration models, its GPU-vendor defaulting or its resource-name
-rule, so `cloudrl validate` uses the private ones, all imported here and nowhere else. When a dstack
-release moves one of them, tests/test_bundle_validate.py's `test_dstack_compat_names_resolve` fails naming
-it, and `cloudrl validate` says which name moved instead of crashing. Imported inside the function: `cloudrl
---help` stays fast and works without dstack.
+rule, so `cloudrl validate` (and `cloudrl dashboard`, for the port mapping it asks a run for) uses the
+private ones, all imported here and nowhere else. When a dstack release moves one of them,
+tests/bundle/test_bundle_mutations.py's `test_dstack_compat_names_resolve` fails naming it, and the command says
+which name moved instead of crashing. Imported inside the function: `cloudrl --help` stays fast and
+works without dstack.
 """
 
 from __future__ import annotations
@@ -39,36 +40,24 @@ NAMES = {
 }
 
 
-def dstack_api() -> SimpleNamespace:
-    """Every name of NAMES, resolved; a CloudrlError naming the first one that is missing."""
+def dstack_api(otherwise: str = " (`cloudrl validate` runs dstack's own configuration parser)") -> SimpleNamespace:
+    """Every name of NAMES, resolved; a CloudrlError naming the first one that is missing. `otherwise`
+    ends the message when dstack is not installed at all (the caller's alternative, or why it is needed)."""
     try:
         importlib.import_module("dstack")
     except ImportError:
-        raise CloudrlError(
-            "dstack is not installed: pip install 'cloudrl[dstack]' (`cloudrl validate` runs "
-            "dstack's own configuration parser)"
-        ) from None
+        raise CloudrlError(f"dstack is not installed: pip install 'cloudrl[dstack]'{otherwise}") from None
     found = {}
     for attr, (module, name) in NAMES.items():
         try:
             found[attr] = getattr(importlib.import_module(f"dstack._internal.{module}"), name)
-        except ImportError:
-            raise CloudrlError(_moved(module, name)) from None
-        except AttributeError:
+        except (ImportError, AttributeError):
             raise CloudrlError(_moved(module, name)) from None
     return SimpleNamespace(**found)
 
 
-def resolve(module: str, name: str):
-    """One of NAMES' entries; ImportError when dstack or the name is missing."""
-    try:
-        return getattr(importlib.import_module(f"dstack._internal.{module}"), name)
-    except AttributeError:
-        raise ImportError(f"dstack._internal.{module}.{name}") from None
-
-
 def _moved(module: str, name: str) -> str:
     return (
-        f"dstack._internal.{module}.{name} is missing from the installed dstack: cloudrl validate is written "
+        f"dstack._internal.{module}.{name} is missing from the installed dstack: cloudrl is written "
         f"for dstack {DSTACK_VERSION}; pip install 'dstack=={DSTACK_VERSION}'"
     )

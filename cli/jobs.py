@@ -11,6 +11,7 @@ import asyncio
 import re
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -22,12 +23,16 @@ from .ray_api import ClusterClient
 STEP_RE = re.compile(r"^step \d+/\d+\b[^|]*\|")
 # The last line of a Python traceback: `cloudrl.trainer.errors.RewardError: ...`, `KeyError: 'x'`.
 EXCEPTION_RE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit)(?:\([\w.]*\))?: \S")
+STATUS_TAIL_LINES = 2000
+"""How much of a job's log `status` reads (the end, through the log API): enough for the last step line
+and the summary block, never the whole log of a long, chatty job."""
+# Terminal control characters: C0 except tab and newline (and carriage return, which progress bars use),
+# DEL, and C1 (U+0080-U+009F, which some terminals take as ESC sequences).
+CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 STATUS_POLL_S = 3.0
 # After Ray reports the job ended, give the log stream this long to deliver its last lines.
 END_GRACE_S = 10.0
 STOP_WAIT_S = 30.0
-
-Echo = Callable[[str], None]
 
 
 class Detached(Exception):
@@ -45,6 +50,26 @@ def job_info(client: ClusterClient, job_id: str) -> Any:
 
 def job_logs(client: ClusterClient, job_id: str) -> str:
     return client.call(lambda: client.jobs.get_job_logs(job_id), what=f"read the logs of {job_id}", job_id=job_id)
+
+
+def job_log_tail(client: ClusterClient, info: Any, lines: int = STATUS_TAIL_LINES) -> str | None:
+    """The last `lines` lines of the job's driver log (`job-driver-<id>.log` on the node that ran it),
+    through the dashboard's log API, which reads them from the end of the file; None when the cluster
+    has no such log (a driver not started as a job)."""
+    node_id = getattr(info, "driver_node_id", None)
+    if not node_id or not info.submission_id:
+        return None
+    query = urllib.parse.urlencode(
+        {"node_id": node_id, "filename": f"job-driver-{info.submission_id}.log", "lines": lines}
+    )
+    response = client.get(f"/api/v0/logs/file?{query}")
+    return response.text if response.status_code == 200 else None
+
+
+def safe_text(text: str) -> str:
+    """`text` with terminal control characters shown as escapes (`\\x1b`) instead of acted on: job output
+    (a sample, a dataset's text) must not move the cursor, retitle the terminal or set the clipboard."""
+    return CONTROL_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def list_jobs(client: ClusterClient) -> list[Any]:
@@ -124,7 +149,7 @@ def status_text(client: ClusterClient, job_id: str | None) -> str:
         f"dashboard: {client.address.job_url(name)}",
     ]
     try:
-        logs = job_logs(client, name)
+        logs = job_log_tail(client, info)
     except CloudrlError:  # drivers started without `submit` have no job logs
         logs = None
     step, summary = latest_metrics(logs) if logs is not None else ("no logs for this job", [])
@@ -134,7 +159,7 @@ def status_text(client: ClusterClient, job_id: str | None) -> str:
         lines.append(f"follow:    cloudrl logs {name} --follow{client.address.flag}")
     elif info.status == "FAILED":  # last, the job's own one-line reason
         lines.append(f"error:     {failure_reason(info, logs or '').removeprefix('error: ')}")
-    return "\n".join(lines)
+    return safe_text("\n".join(lines))
 
 
 def list_text(client: ClusterClient) -> str:
@@ -144,7 +169,9 @@ def list_text(client: ClusterClient) -> str:
     rows = [("ID", "STATUS", "START", "DURATION", "PRESET")]
     rows += [(job_name(j), str(j.status), _fmt_time(j.start_time), _fmt_duration(j), _preset(j)) for j in jobs]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows).rstrip()
+    return safe_text(
+        "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows).rstrip()
+    )
 
 
 def stop(client: ClusterClient, job_id: str) -> str:
@@ -199,7 +226,7 @@ def failure_reason(info: Any, logs: str) -> str:
 
 
 def _write_stdout(chunk: str) -> None:
-    sys.stdout.write(chunk)
+    sys.stdout.write(safe_text(chunk))
     sys.stdout.flush()
 
 

@@ -8,9 +8,12 @@ start time; `down` stops exactly those process trees and their process groups, n
 (which would stop every Ray on the machine). The state is written as each node starts, so a failed
 or interrupted `up` is torn down completely.
 
-Ray turns 127.0.0.1 into the machine's own IP for its node address, so the GCS and raylet ports
-listen on the machine's interfaces as with any `ray start` (without token authentication, see
-`_node_env`); the dashboard (and the Jobs API) binds 127.0.0.1 only. Use it on a trusted network.
+Every cluster runs with Ray token authentication and a random token of its own, written 0600 next to
+the state file (`local_state.new_token_file`); the CLI sends it to this cluster's dashboard and to no
+other address. Everything binds 127.0.0.1 where Ray allows it (the dashboard and Jobs API do), but Ray
+turns 127.0.0.1 into the machine's own IP for its node address, so the GCS, raylet, job agent and Ray
+Client ports listen on the machine's interfaces as with any `ray start`: the token is what protects
+those. Ray's Prometheus metrics ports (no code execution) stay open, as on any Ray node.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from cloudrl.trainer.errors import ClusterUnreachable
 from cloudrl.trainer.paths import cache_dir
 
 from .errors import CloudrlError
-from .local_state import load_state, save_state, state_path
+from .local_state import load_state, local_token, new_token_file, save_state, state_path
 from .node_processes import alive, spawn, stop_node
 from .pins import DASHBOARD_PORT
 from .ray_api import Address, ClusterClient
@@ -60,6 +64,7 @@ HEAD_MB = 1200
 """What the head node adds: GCS, dashboard and its modules (~1.1 GB measured)."""
 
 Echo = Callable[[str], None]
+"""Where a command prints its progress lines: typer.echo from the CLI, print by default."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,7 +200,9 @@ def _start(
         with _sigint_deferred():
             root = tempfile.mkdtemp(prefix="cloudrl-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
             state["root"] = root
+            state["token_file"] = str(new_token_file())
             save_state(state)
+        token = local_token(state) or ""
         dashboard_port = _pick_dashboard_port(dashboard_port, echo)
         head_ports = dict(zip(HEAD_PORTS, _free_ports(len(HEAD_PORTS), exclude={dashboard_port})))
         url = f"http://127.0.0.1:{dashboard_port}"
@@ -228,11 +235,15 @@ def _start(
                 args.append(f"--address={gcs}")
             args += [f"--{k}=0" for k in SELF_BOUND_PORTS]
             with _sigint_deferred():
-                state["nodes"].append(spawn(args, Path(root) / f"n{i}.log", _node_env()))
+                state["nodes"].append(spawn(args, Path(root) / f"n{i}.log", _node_env(token)))
                 save_state(state)
             if i == 0:  # workers join a head whose GCS answers; the dashboard comes up right after it
-                _wait_for(lambda: _dashboard_answers(url), state, timeout_s, "the head's dashboard to answer")
+                _wait_for(lambda: _dashboard_answers(url, token), state, timeout_s, "the head's dashboard to answer")
         _wait_for(lambda: _alive_nodes(url) >= nodes, state, timeout_s, f"{nodes} nodes to join")
+        with _sigint_deferred():
+            # The cluster's identity: a client that later finds another session at this URL refuses it.
+            state["session_name"] = _session_name(url, token)
+            save_state(state)
     except CloudrlError as exc:
         with _sigint_deferred():
             kept = _keep_logs(state)
@@ -271,12 +282,25 @@ def _ray_executable() -> str:
     return found
 
 
-def _node_env() -> dict[str, str]:
+def auth_env(state: dict[str, Any]) -> dict[str, str]:
+    """What a process needs in its environment to join the local cluster `state` describes by its GCS
+    address (a driver, or one more `ray start` node)."""
+    token = local_token(state)
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {"RAY_AUTH_MODE": "disabled"}
+
+
+def _node_env(token: str | None = None) -> dict[str, str]:
+    """The environment of one node's `ray start`: `token`, or that of the cluster the state file names."""
+    if token is None:
+        token = local_token(load_state() or {}) or ""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
-    # Ray turns token auth on by itself when ~/.ray/auth_token happens to exist; the local cluster is
-    # deterministic instead: no token, like a dstack cluster behind its tunnel, so the browser needs none.
-    env["RAY_AUTH_MODE"] = "disabled"
+    # Token auth, with this cluster's own token: without it, anyone who reaches the machine's address
+    # (or any local user, through 127.0.0.1) could run code here. Set explicitly, never left to Ray's
+    # default, which depends on whether ~/.ray/auth_token happens to exist.
+    env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_TOKEN"] = token
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
     # Job entrypoints run `python3` through the node's PATH: make it this environment's Python.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     # A job's relative trainer.run_dir lands in the directory the cluster was started from, also when
@@ -324,19 +348,32 @@ def _free_ports(n: int, exclude: set[int] = frozenset()) -> list[int]:  # type: 
     return ports
 
 
-def _dashboard_answers(url: str) -> bool:
+def _dashboard_answers(url: str, token: str) -> bool:
     import requests
 
     try:
-        return requests.get(f"{url}/api/version", timeout=(1, 3)).status_code == 200
+        return requests.get(f"{url}/api/version", headers=_bearer(token), timeout=(1, 3)).status_code == 200
     except requests.exceptions.RequestException:
         return False
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _session_name(url: str, token: str) -> str | None:
+    import requests
+
+    try:
+        return requests.get(f"{url}/api/version", headers=_bearer(token), timeout=(3, 5)).json().get("session_name")
+    except (requests.exceptions.RequestException, ValueError):
+        return None
 
 
 def _alive_nodes(url: str) -> int:
     try:
         return len(ClusterClient(Address(url, "local")).alive_nodes())
-    except CloudrlError:  # the state API starts a little after the dashboard itself
+    except (ClusterUnreachable, CloudrlError):  # the state API starts a little after the dashboard itself
         return 0
 
 
@@ -386,5 +423,7 @@ def _teardown(state: dict[str, Any]) -> int:
         stopped += stop_node(node)
     if state.get("root"):
         shutil.rmtree(state["root"], ignore_errors=True)
+    if state.get("token_file"):
+        Path(state["token_file"]).unlink(missing_ok=True)
     state_path().unlink(missing_ok=True)
     return stopped

@@ -8,6 +8,8 @@ through `ray_api`. Kept here, neither of those two imports the other back.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ from .errors import CloudrlError
 from .node_processes import alive
 
 STATE_NAME = "local-cluster.json"
+TOKEN_NAME = "local-cluster.token"
+"""The local cluster's Ray token: random per cluster, mode 0600, next to the state file."""
 
 
 def state_path() -> Path:
@@ -49,3 +53,25 @@ def running_dashboard_url() -> str | None:
     if state and state.get("nodes") and alive(state["nodes"][0]) and state.get("dashboard_url"):
         return state["dashboard_url"]
     return None
+
+
+def new_token_file() -> Path:
+    """A fresh random token for a new local cluster, written 0600 (created so, never chmod-ed after)."""
+    path = state_path().with_name(TOKEN_NAME)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def local_token(state: dict[str, Any]) -> str | None:
+    """The token of the local cluster `state` describes (None for one started without a token)."""
+    path = state.get("token_file")
+    if not path:
+        return None
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError:
+        return None

@@ -14,6 +14,7 @@ import urllib.parse
 from typing import Any
 
 from .errors import CloudrlError
+from .jobs import safe_text
 
 DEFAULT_GLOB = "worker-*"
 """Ray's per-process stdout/stderr files (worker-<id>-<job>-<pid>.out/.err): what tasks and actors print."""
@@ -102,7 +103,7 @@ def node_logs_text(client: Any, node: str, lines: int = 50, glob: str = DEFAULT_
     parts = [head]
     for name in files:
         query = urllib.parse.urlencode({"node_id": node_id, "filename": name, "lines": lines})
-        response = client._get(f"{client.address.url}/api/v0/logs/file?{query}", READ_TIMEOUT_S)
+        response = client.get(f"/api/v0/logs/file?{query}", READ_TIMEOUT_S)
         text = response.text if response.status_code == 200 else f"(unreadable: HTTP {response.status_code})\n"
         parts.append(f"==> {name} <==\n{text.rstrip()}")
-    return "\n".join(parts) + "\n"
+    return safe_text("\n".join(parts) + "\n")

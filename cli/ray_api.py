@@ -5,10 +5,18 @@ The user's machine reaches only the dashboard (usually a port that dstack or ssh
 resources for the placement preflight, and the Jobs API through `ray.job_submission.JobSubmissionClient`.
 Every request has a timeout, so a dead tunnel is an error sentence, not a hang. Ray is imported inside
 functions to keep `cloudrl --help` fast.
+
+Nothing that answers at an address is trusted for being there. The Ray token goes only to the cluster it
+belongs to (`token_for`): the `cloudrl local` cluster's own token only to that cluster's dashboard, a
+RAY_AUTH_TOKEN only over https:// or to this machine (plain http:// to another host needs
+--insecure-http), the token file Ray keeps in ~/.ray only to this machine. And a client remembers the
+Ray session it first talked to (`session_name` of /api/version): a different cluster answering at the
+same address later (a dropped tunnel whose port another process took) is refused, never sent a job.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import urllib.parse
 from collections.abc import Callable
@@ -16,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cloudrl.trainer.errors import first_line
+from cloudrl.trainer.errors import ClusterUnreachable, first_line
 
-from .errors import CloudrlError, ClusterUnreachable, NoSuchJob
-from .local_state import running_dashboard_url
+from .errors import CloudrlError, NoSuchJob
+from .local_state import load_state, local_token, running_dashboard_url
 from .pins import DASHBOARD_PORT
 from .ray_compat import bounded_job_client
 
@@ -129,30 +137,75 @@ def unreachable_hint(address: Address) -> str:
     )
 
 
+def is_loopback(url: str) -> bool:
+    """Whether the URL's host is this machine (localhost, 127.0.0.0/8, ::1): the only hosts plain http
+    may carry the token to, since nothing between here and there can read it."""
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def local_cluster_for(url: str) -> dict[str, Any] | None:
+    """The `cloudrl local` cluster's state when `url` is its dashboard, else None."""
+    try:
+        state = load_state()
+    except CloudrlError:
+        return None
+    if state and state.get("dashboard_url") == url:
+        return state
+    return None
+
+
+def token_for(address: Address, insecure_http: bool = False) -> tuple[str | None, str]:
+    """The Ray token to send to `address` after it answered 401, and where it came from; (None, why)
+    when this machine has none for it. Raises instead of handing a token to a host that could pass it on."""
+    local = local_cluster_for(address.url)
+    if local is not None:  # the cluster `cloudrl local up` started: its own token, never another one
+        return local_token(local), "the local cluster's token"
+    if address.source == "local":
+        return None, "the local cluster has no token file"
+    plain_remote = address.url.startswith("http://") and not is_loopback(address.url)
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        if plain_remote and not insecure_http:
+            raise AuthRefused(
+                f"the cluster at {address.url}{_where(address)} asks for the Ray token, and plain http:// would "
+                f"carry it readable to another host: forward the dashboard to this machine (`cloudrl dashboard`, "
+                f"or `cloudrl dashboard --ssh HOST`), use an https:// address, or pass --insecure-http"
+            )
+        return os.environ["RAY_AUTH_TOKEN"].strip(), "RAY_AUTH_TOKEN"
+    if is_loopback(address.url):
+        # The file Ray itself falls back to: a token for a cluster on this machine, never for another host.
+        path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        try:
+            return path.read_text().strip() or None, str(path)
+        except OSError:
+            pass
+    return None, "no token is set here"
+
+
 class ClusterClient:
     """One cluster's dashboard: plain HTTP reads plus Ray's Jobs client."""
 
-    def __init__(self, address: Address):
+    def __init__(self, address: Address, insecure_http: bool = False, expected_session: str | None = None):
         self.address = address
+        self.insecure_http = insecure_http
         self._jobs: Any = None
         self._headers: dict[str, str] = {}
         self._probed = False
+        local = local_cluster_for(address.url)
+        self.expected_session = expected_session or (local or {}).get("session_name")
+        """The Ray session this client must find at the address (None: whichever answers first)."""
+        self.session: str | None = None
+        """The Ray session that answered (from /api/version)."""
 
     # -- plain HTTP ---------------------------------------------------------------------------
     def get_json(self, path: str, read_timeout: float = READ_TIMEOUT_S) -> Any:
+        r = self.get(path, read_timeout)
         url = f"{self.address.url}{path}"
-        r = self._get(url, read_timeout)
-        if r.status_code == 401 and not self._headers and (token := local_auth_token()):
-            # A cluster with Ray token auth: retry with the token this machine has for Ray.
-            self._headers = {"Authorization": f"Bearer {token}"}
-            r = self._get(url, read_timeout)
-        self._probed = True
-        if r.status_code in (401, 403):
-            found = "it rejected the token found here" if self._headers else "no token is set here"
-            raise CloudrlError(
-                f"the cluster at {self.address.url} uses Ray token authentication and {found}: "
-                f"set RAY_AUTH_TOKEN to the cluster's token (`ray get-auth-token` on its head node)"
-            )
         if r.status_code != 200:
             raise CloudrlError(
                 f"{url} answered HTTP {r.status_code}: is {self.address.url}{_where(self.address)} a Ray "
@@ -165,6 +218,30 @@ class ClusterClient:
                 f"{url} did not answer JSON: {self.address.url}{_where(self.address)} is not a Ray dashboard; "
                 f"{unreachable_hint(self.address)}"
             ) from None
+
+    def get(self, path: str, read_timeout: float = READ_TIMEOUT_S) -> Any:
+        """GET `path` (with the token when the cluster asks for it); the response unless it is 401/403."""
+        url = f"{self.address.url}{path}"
+        r = self._get(url, read_timeout)
+        found = "no token is set here"
+        if r.status_code == 401 and not self._headers:
+            token, source = token_for(self.address, self.insecure_http)
+            if token:
+                # A cluster with Ray token auth: retry with the token this machine has for it.
+                self._headers = {"Authorization": f"Bearer {token}"}
+                r = self._get(url, read_timeout)
+                found = f"it rejected {source}"
+            else:
+                found = source
+        elif self._headers:
+            found = "it rejected the token sent"
+        self._probed = True
+        if r.status_code in (401, 403):
+            raise AuthRefused(
+                f"the cluster at {self.address.url} uses Ray token authentication and {found}: "
+                f"set RAY_AUTH_TOKEN to the cluster's token (`ray get-auth-token` on its head node)"
+            )
+        return r
 
     def _get(self, url: str, read_timeout: float) -> Any:
         import requests
@@ -185,9 +262,19 @@ class ClusterClient:
         )
 
     def ray_version(self) -> str:
+        """The cluster's Ray version; records (and checks) which Ray session answers."""
         data = self.get_json("/api/version", read_timeout=PROBE_READ_TIMEOUT_S)
         if not isinstance(data, dict) or "ray_version" not in data:
             raise CloudrlError(f"{self.address.url}/api/version has no ray_version: is this a Ray dashboard?")
+        session = str(data.get("session_name") or "") or None
+        expected = self.expected_session or self.session
+        if expected and session != expected:
+            raise ClusterChanged(
+                f"a different Ray cluster now answers at {self.address.url}{_where(self.address)} (session "
+                f"{session or 'unknown'}, not {expected}): nothing was sent to it; if it is yours, run the "
+                f"command again to talk to it"
+            )
+        self.session = session
         return str(data["ray_version"])
 
     def check_version(self) -> str:
@@ -242,6 +329,8 @@ class ClusterClient:
 
         try:
             return fn()
+        except ClusterUnreachable:  # from `self.jobs`'s own probe: a ConnectionError, but already one sentence
+            raise
         except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError) as exc:
             raise self._unreachable(f"{what}: {_connection_reason(exc)}") from None
         except RuntimeError as exc:
@@ -255,15 +344,12 @@ class ClusterClient:
             ) from None
 
 
-def local_auth_token() -> str | None:
-    """The Ray auth token this machine has, looked up where Ray looks: the env, then the token file."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return os.environ["RAY_AUTH_TOKEN"].strip()
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
+class ClusterChanged(CloudrlError):
+    """Another Ray cluster than the one first contacted answers at the address."""
+
+
+class AuthRefused(CloudrlError):
+    """The cluster wants a token this machine has not (or may not send), or rejected the one sent."""
 
 
 def _connection_reason(exc: BaseException) -> str:

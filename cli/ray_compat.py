@@ -3,7 +3,9 @@
 Ray's `JobSubmissionClient` sends its HTTP requests without a timeout, so a tunnel whose far end hangs
 would hang `cloudrl` too. The client below gives every request a connect and a read timeout by
 overriding the private `SubmissionClient._do_request(method, endpoint, **kwargs)` that all of Ray's
-Jobs calls go through. tests/test_cli_unit.py fails loudly if a Ray upgrade renames or reshapes it.
+Jobs calls go through, and it sets the client's private `_headers` (the headers every call sends), so
+that the client sends the token the CLI chose and no other. tests/cli/test_cli_unit.py fails loudly if a Ray
+upgrade renames or reshapes the method.
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ def bounded_job_client(url: str, headers: dict[str, str], connect_s: float, read
     # Ray lets RAY_ADDRESS (and RAY_API_SERVER_ADDRESS) override the address it is given; the CLI has
     # already resolved --address against RAY_ADDRESS, so both are hidden while the client is built.
     with _env_unset("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
-        return BoundedJobClient(url, headers=dict(headers) or None)
+        client = BoundedJobClient(url, headers=dict(headers) or None)
+    # Where this shell has RAY_AUTH_MODE=token, Ray's client adds RAY_AUTH_TOKEN (or ~/.ray/auth_token) to
+    # every request, whatever the host. The CLI has already decided which token this cluster may get:
+    # exactly the headers given, nothing Ray found on its own.
+    client._headers = {k: v for k, v in client._headers.items() if k.lower() != "authorization"}
+    client._headers.update(headers)
+    return client
 
 
 @contextlib.contextmanager

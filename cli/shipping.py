@@ -12,14 +12,23 @@ Named by the config: `reward.function=FILE.py:fn` (or `module:fn` where `module.
 the local entries of `data.train_files` / `data.val_files` (files, or `hf:` directories saved with
 `save_to_disk`), and local model directories (`model.path`, `critic.model_path`, `reward.model_path`). A
 relative path that does not exist here is an error; an absolute one is taken as a path on the cluster
-(a volume) and left alone. Never shipped: `.git`, `__pycache__`, `.venv`, `*.pyc`, and the patterns in
-DIR's `.gitignore` and `.cloudrlignore`. The zip must stay under the Ray dashboard's upload limit.
+(a volume) and left alone. The zip must stay under the Ray dashboard's upload limit.
+
+A directory is shipped as git would commit it: inside a git work tree, exactly what `git ls-files
+--cached --others --exclude-standard` lists (tracked files, and untracked ones no .gitignore excludes);
+elsewhere, what the `.gitignore` files of the directory and of every subdirectory leave, each read
+relative to its own directory. Either way, never shipped: `.git`, `__pycache__`, `.venv`, `*.pyc`, the
+patterns in `.cloudrlignore`, files that usually hold credentials (`SECRET_PATTERNS`: `.env`, `.aws/`,
+`.ssh/`, `*.pem`, ...; a `!pattern` line in `.cloudrlignore` ships one anyway), and symlinks that
+point outside the directory (never followed: their target's content would travel). `--dry-run`
+lists what was left out and why.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import subprocess
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +39,29 @@ from .errors import CloudrlError
 UPLOAD_LIMIT_BYTES = 100 * 1024**2
 """The Ray dashboard refuses request bodies over 100 MiB, and a job's package is one request."""
 ALWAYS_IGNORED = [".git/", "__pycache__/", ".venv/", "venv/", "*.pyc", ".cloudrl/", ".ipynb_checkpoints/"]
+SECRET_PATTERNS = [
+    ".env",
+    ".env.*",
+    ".envrc",
+    ".aws/",
+    ".ssh/",
+    ".gnupg/",
+    ".huggingface/",
+    ".docker/",
+    "*.pem",
+    "*.key",
+    "*.p12",
+    "id_rsa*",
+    "id_ecdsa*",
+    "id_ed25519*",
+    "id_dsa*",
+    ".netrc",
+    ".git-credentials",
+    ".pypirc",
+]
+"""Files that usually hold credentials: left out of every upload unless .cloudrlignore re-includes them."""
 IGNORE_FILES = (".gitignore", ".cloudrlignore")
+GIT_TIMEOUT_S = 30.0
 MODEL_KEYS = ("model.path", "critic.model_path", "reward.model_path")
 DATA_KEYS = ("data.train_files", "data.val_files")
 
@@ -46,6 +77,8 @@ class Upload:
     cluster_paths: list[str] = field(default_factory=list)
     """`key: path` of absolute paths not on this machine: read on the cluster."""
     pip: list[str] = field(default_factory=list)
+    excluded: list[tuple[str, str]] = field(default_factory=list)
+    """(path, why) of what a shipped directory holds but the upload leaves out."""
 
     @property
     def overrides(self) -> list[str]:
@@ -62,6 +95,13 @@ class Upload:
             total += f"; {_human(zipped_bytes)} zipped (limit {_human(UPLOAD_LIMIT_BYTES)})"
         return "\n".join(lines + [total])
 
+    def excluded_listing(self, limit: int = 200) -> str:
+        """What --dry-run prints about the files left out: each with the reason."""
+        lines = [f"  {path}  ({why})" for path, why in sorted(self.excluded)[:limit]]
+        if len(self.excluded) > limit:
+            lines.append(f"  ... and {len(self.excluded) - limit} more")
+        return "\n".join(lines)
+
 
 # ----------------------------------------------------------------------------------------------
 # Finding what the config names
@@ -76,7 +116,7 @@ def plan_upload(
     if workdir is not None:
         if not workdir.is_dir():
             raise CloudrlError(f"--workdir {workdir}: not a directory here: give the directory of your own code")
-        for dest, src in walk(workdir).items():
+        for dest, src in walk(workdir, upload.excluded).items():
             upload.files[dest] = src
     external = _External(upload, cwd)
     _reward(cfg, cwd, external)
@@ -111,8 +151,10 @@ class _External:
             self.count += 1
             dest = f"_external/{self.count}/{real.name}"
         if real.is_dir():
-            for inner, src in walk(real).items():
+            excluded: list[tuple[str, str]] = []
+            for inner, src in walk(real, excluded).items():
                 self.upload.files[f"{dest}/{inner}"] = src
+            self.upload.excluded += [(f"{dest}/{inner}", why) for inner, why in excluded]
         else:
             self.upload.files[dest] = real
         return dest
@@ -226,17 +268,45 @@ def read_requirements(path: Path | None) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 
+Rule = tuple[str, str, str]
+"""(pattern, where it comes from, the directory it is relative to: '' or 'sub/dir/')."""
+
+
 def ignore_patterns(root: Path) -> list[str]:
-    patterns = list(ALWAYS_IGNORED)
-    for name in IGNORE_FILES:
-        file = root / name
-        if file.is_file():
-            patterns += [
-                line.strip()
-                for line in file.read_text(errors="replace").splitlines()
-                if line.strip() and not line.lstrip().startswith("#")
-            ]
-    return patterns
+    """The patterns that apply at the top of `root` (built-in ones first, then its ignore files)."""
+    return [pattern for pattern, _, _ in _root_rules(root, IGNORE_FILES)]
+
+
+def _root_rules(root: Path, files: tuple[str, ...]) -> list[Rule]:
+    rules: list[Rule] = [(p, "always left out", "") for p in ALWAYS_IGNORED]
+    rules += [(p, "may hold credentials; `!PATTERN` in .cloudrlignore ships it", "") for p in SECRET_PATTERNS]
+    for name in files:
+        rules += _file_rules(root / name, "")
+    return rules
+
+
+def _file_rules(file: Path, base: str) -> list[Rule]:
+    if not file.is_file():
+        return []
+    where = f"{base}{file.name}"
+    return [
+        (line.strip(), where, base)
+        for line in file.read_text(errors="replace").splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+
+
+def _why_ignored(rel: str, is_dir: bool, rules: list[Rule]) -> str | None:
+    """Why `rel` is left out (the last matching rule wins, as in gitignore), or None if it is kept."""
+    why = None
+    for pattern, origin, base in rules:
+        if not rel.startswith(base):
+            continue
+        if ignored(rel[len(base) :], is_dir, [pattern]) or (
+            pattern.startswith("!") and ignored(rel[len(base) :], is_dir, [pattern[1:]])
+        ):
+            why = None if pattern.startswith("!") else f"{pattern} ({origin})"
+    return why
 
 
 def ignored(rel: str, is_dir: bool, patterns: list[str]) -> bool:
@@ -261,20 +331,100 @@ def ignored(rel: str, is_dir: bool, patterns: list[str]) -> bool:
     return result
 
 
-def walk(root: Path) -> dict[str, Path]:
-    """Relative path -> file, for every file under root that the ignore rules keep."""
-    patterns = ignore_patterns(root)
+def walk(root: Path, excluded: list[tuple[str, str]] | None = None) -> dict[str, Path]:
+    """Relative path -> file, for every file under root that is shipped (see the module docstring);
+    what is left out is appended to `excluded` as (relative path, why)."""
+    out = excluded if excluded is not None else []
+    listed = _git_listing(root)
+    if listed is None:
+        return _walk_tree(root, out)
+    tracked, git_ignored = listed
+    out += [(rel, "ignored by git (.gitignore)") for rel in git_ignored]
+    rules = _root_rules(root, (".cloudrlignore",))
+    real_root = root.resolve()
+    files: dict[str, Path] = {}
+    for rel in sorted(tracked):
+        parts = rel.split("/")
+        why = next(
+            (w for i in range(1, len(parts)) if (w := _why_ignored("/".join(parts[:i]), True, rules))),
+            None,
+        ) or _why_ignored(rel, False, rules)
+        path = root / rel
+        why = why or _link_outside(path, real_root)
+        if why:
+            out.append((rel, why))
+        elif path.is_file():
+            files[rel] = path
+        elif path.is_dir():
+            out.append((rel, "a directory git lists as one entry (a submodule or a link): not shipped"))
+    return files
+
+
+def _walk_tree(root: Path, out: list[tuple[str, str]]) -> dict[str, Path]:
+    """walk() outside git: every directory's own .gitignore and .cloudrlignore apply below it."""
+    real_root = root.resolve()
+    rules = _root_rules(root, IGNORE_FILES)
     files: dict[str, Path] = {}
     for current, dirs, names in os.walk(root, followlinks=False):
         base = Path(current).relative_to(root).as_posix()
         prefix = "" if base == "." else base + "/"
-        dirs[:] = sorted(d for d in dirs if not ignored(prefix + d, True, patterns))
+        if prefix:
+            for name in IGNORE_FILES:
+                rules += _file_rules(Path(current) / name, prefix)
+        kept_dirs = []
+        for d in sorted(dirs):
+            why = _why_ignored(prefix + d, True, rules) or _link_outside(Path(current) / d, real_root)
+            if why:
+                out.append((prefix + d + "/", why))
+            elif (Path(current) / d).is_symlink():
+                out.append((prefix + d + "/", "a symlink to a directory: not followed"))
+            else:
+                kept_dirs.append(d)
+        dirs[:] = kept_dirs
         for name in sorted(names):
             rel = prefix + name
             path = Path(current) / name
-            if not ignored(rel, False, patterns) and path.is_file():
+            why = _why_ignored(rel, False, rules) or _link_outside(path, real_root)
+            if why:
+                out.append((rel, why))
+            elif path.is_file():
                 files[rel] = path
     return files
+
+
+def _link_outside(path: Path, real_root: Path) -> str | None:
+    """Why a symlink is not followed: it points outside the shipped directory (or nowhere)."""
+    if not path.is_symlink():
+        return None
+    target = path.resolve()
+    if not target.is_relative_to(real_root):
+        return f"a symlink to {target}, outside the directory: not followed"
+    return None
+
+
+def _git_listing(root: Path) -> tuple[list[str], list[str]] | None:
+    """(files git would commit, untracked paths its ignore rules exclude) under root, relative to it;
+    None when root is not in a git work tree (or git is not installed)."""
+
+    def git(*args: str) -> list[str] | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", str(root), *args], capture_output=True, timeout=GIT_TIMEOUT_S, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if done.returncode != 0:
+            return None
+        return [p for p in done.stdout.decode(errors="surrogateescape").split("\0") if p]
+
+    inside = git("rev-parse", "--is-inside-work-tree")
+    if not inside or inside[0].strip() != "true":
+        return None
+    tracked = git("ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    ignored_paths = git("ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory")
+    if tracked is None:
+        return None
+    return sorted(set(tracked)), ignored_paths or []
 
 
 # ----------------------------------------------------------------------------------------------

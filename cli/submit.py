@@ -10,10 +10,18 @@ The cluster has no cloudrl installed: the installed `cloudrl.trainer` package is
 `cloudrl/` directory and sent as a runtime-env `py_modules` entry, which Ray unpacks on each node
 and puts on the job's PYTHONPATH ahead of site-packages. The local files the config names (reward
 code, data, small models) and `--workdir` travel as the job's working directory (see shipping.py).
+
+`--env` values never enter the runtime env: Ray keeps `runtime_env.env_vars` in its job table (the Jobs
+API and dashboard show it) and writes it to runtime_env_agent.log on every node, which its log API
+serves. They travel inside the package instead, as `cloudrl/job_env.json` (mode 0600, with a random
+nonce so every submission is a package of its own), and the package's `cloudrl/__init__.py` puts them
+into the environment of every process of the job when it first imports cloudrl, before any trainer code
+runs: the driver, and the workers on every node (a gated model is downloaded on each node with HF_TOKEN).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -21,7 +29,6 @@ import shlex
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,8 +44,6 @@ from .shipping import Upload, write_zip
 TRAINER_COMMAND = ["python3", "-m", "cloudrl.trainer"]
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-Echo = Callable[[str], None]
 
 
 @dataclass
@@ -73,11 +78,10 @@ class JobRequest:
             "cloudrl_name": self.submission_id,
         }
 
-    def runtime_env(
-        self, package_dir: str | Path, env_values: dict[str, str], working_dir: str | Path | None = None
-    ) -> dict[str, Any]:
+    def runtime_env(self, package_dir: str | Path, working_dir: str | Path | None = None) -> dict[str, Any]:
+        """Ray's runtime env for the job. No --env value ever goes here (see the module docstring)."""
         # Unbuffered, so the step lines reach `cloudrl logs --follow` as they are printed.
-        env: dict[str, Any] = {"py_modules": [str(package_dir)], "env_vars": {"PYTHONUNBUFFERED": "1", **env_values}}
+        env: dict[str, Any] = {"py_modules": [str(package_dir)], "env_vars": {"PYTHONUNBUFFERED": "1"}}
         if working_dir is not None:
             env["working_dir"] = str(working_dir)
         if self.upload.pip:
@@ -128,15 +132,42 @@ def read_env(names: list[str]) -> dict[str, str]:
     return {n: os.environ[n] for n in names}
 
 
-def stage_package(dest: Path, preset_file: Path | None = None) -> Path:
-    """Copy the installed `cloudrl.trainer` into dest/cloudrl/trainer; returns dest/cloudrl."""
+JOB_ENV_FILE = "job_env.json"
+PACKAGE_INIT = '''"""cloudrl as `cloudrl submit` shipped it with one job.
+
+The job's --env values are in job_env.json beside this file (never in Ray's runtime env, which Ray
+shows in its job table and logs): every process of the job takes them into its environment here,
+the first time it imports cloudrl.
+"""
+
+import json as _json
+import os as _os
+
+try:
+    with open(_os.path.join(_os.path.dirname(__file__), "job_env.json"), encoding="utf-8") as _f:
+        _os.environ.update(_json.load(_f)["env"])
+except FileNotFoundError:
+    pass
+'''
+"""The shipped package's __init__.py: a regular package, so the shipped copy wins over any cloudrl
+installed on a node, which also loads the job's --env values."""
+
+
+def stage_package(dest: Path, preset_file: Path | None = None, env_values: dict[str, str] | None = None) -> Path:
+    """Copy the installed `cloudrl.trainer` into dest/cloudrl/trainer, with the --env values in
+    dest/cloudrl/job_env.json (0600); returns dest/cloudrl."""
     import cloudrl.trainer
 
     source = Path(cloudrl.trainer.__file__).parent
     package = dest / "cloudrl"
     shutil.copytree(source, package / "trainer", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    # A regular (empty) package, so the shipped copy wins over any cloudrl installed on a node.
-    (package / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(PACKAGE_INIT)
+    if env_values:
+        # Created 0600 (Ray keeps file modes when it unpacks the package on a node). The nonce makes
+        # every submission's package distinct, so no two jobs ever share one unpacked copy of it.
+        fd = os.open(package / JOB_ENV_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"nonce": secrets.token_hex(16), "env": env_values}, f)
     if preset_file is not None:
         shutil.copyfile(preset_file, package / "trainer" / "presets" / f"{preset_file.stem}.yaml")
     return package
@@ -159,22 +190,23 @@ def preflight(client: ClusterClient, cfg: Any) -> str:
 def dry_run_text(cfg: Any, req: JobRequest, address: Address, zipped_bytes: int | None) -> str:
     import yaml
 
-    env_vars = {"PYTHONUNBUFFERED": "1", **{n: "<from this shell, not shown>" for n in req.env_names}}
     placeholder = f"<a copy of cloudrl.trainer{' + ' + str(req.preset_file) if req.preset_file else ''}>"
-    request = {
+    request: dict[str, Any] = {
         "address": address.url,
         "submission_id": req.submission_id,
         "entrypoint": req.entrypoint,
-        "runtime_env": req.runtime_env(
-            placeholder, env_vars, "<the files below, zipped>" if req.upload.files else None
-        ),
+        "runtime_env": req.runtime_env(placeholder, "<the files below, zipped>" if req.upload.files else None),
         "metadata": req.metadata,
     }
+    if req.env_names:
+        request["env_in_package"] = {n: "<from this shell, not shown>" for n in req.env_names}
     files = (
         f"# files shipped as the job's working directory\n{req.upload.listing(zipped_bytes)}\n"
         if req.upload.files
         else "# files shipped: none besides the trainer (the config names no local file)\n"
     )
+    if req.upload.excluded:
+        files += f"# left out of the job's files (why)\n{req.upload.excluded_listing()}\n"
     if req.upload.cluster_paths:
         files += "# read on the cluster, not shipped (absolute paths not on this machine):\n"
         files += "".join(f"  {entry}\n" for entry in req.upload.cluster_paths)
@@ -201,12 +233,12 @@ def submit(client: ClusterClient, req: JobRequest, env_values: dict[str, str], f
 
     jobs = client.jobs
     with tempfile.TemporaryDirectory(prefix="cloudrl-submit-") as tmp:
-        package = stage_package(Path(tmp), req.preset_file)
+        package = stage_package(Path(tmp), req.preset_file, env_values)
         try:
             return jobs.submit_job(
                 entrypoint=req.entrypoint,
                 submission_id=req.submission_id,
-                runtime_env=req.runtime_env(package, env_values, files_zip),
+                runtime_env=req.runtime_env(package, files_zip),
                 metadata=req.metadata,
             )
         except RuntimeError as exc:  # the Jobs API said no: no job was created

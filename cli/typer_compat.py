@@ -1,10 +1,15 @@
-"""The one place the CLI relies on Typer's (and Click's) internals (typer pinned below 0.30 in pyproject).
+"""The one place the CLI relies on Typer's (and Click's) internals (typer pinned to 0.29 in pyproject).
 
 `OneLineErrors` is the command group every `cloudrl` command runs under. It overrides Click's
 `Group.make_context` and `Group.invoke` to turn an expected failure into one red line on stderr (exit
 1) and a usage error into one line naming the command's --help (exit 2), instead of Typer's boxed
-panel. Typer 0.29 bundles its own Click, so usage errors arrive as `typer.TyperException`.
-tests/test_cli_unit.py fails loudly when an upgrade removes what this relies on.
+panel. Typer 0.29 bundles its own Click, so usage errors arrive as `typer.TyperException`, not as
+`click.UsageError`.
+
+It is the group, not `main()` calling the app with Click's `standalone_mode=False`, because whatever
+runs the app's Click command directly (typer.testing.CliRunner in the tests, a program embedding the
+app) never passes through `main()`. tests/cli/test_bad_input_parse.py sends every kind of error through the
+app and fails when a Typer upgrade changes what this relies on.
 """
 
 from __future__ import annotations

@@ -1,13 +1,18 @@
 """`cloudrl submit --follow` through a cluster restart.
 
-When the whole cluster goes away while a job is followed (a dstack run restarted after an interruption,
-a `dstack apply` of a new run, a `cloudrl local` cluster brought down and up again), the CLI keeps
-watching instead of failing: it waits up to `--reconnect-wait` seconds for the dashboard to answer at
+When the cluster stops answering while a job is followed (a dropped tunnel, a head restarted with its
+session, a `cloudrl local` cluster brought down and up again), the CLI keeps watching instead of failing: it waits up to `--reconnect-wait` seconds for the dashboard to answer at
 the same address, then
 
 - follows the same job again if the cluster still has it (the tunnel, not the cluster, went away);
 - otherwise submits the same job again, with `trainer.resume=auto` and an `-rN` suffix on its id, so
   the trainer continues from the run's latest checkpoint, and follows that one.
+
+Only the same cluster counts: the Ray session the CLI first talked to (for --local, the cluster that
+`cloudrl local up` started again here, whose token and session the state file records). A different
+cluster answering at the address (another process took the forwarded port) is refused with one line, and
+the job and its --env values are not sent to it; a dstack run restarted as a new Ray cluster is such a
+cluster too: submit again yourself (`trainer.resume=auto` continues from the latest checkpoint).
 
 The run must keep its checkpoints where the new cluster finds them: the `/checkpoints` volume (the
 dstack task's default), a `trainer.checkpoint_uri` bucket, or this machine's disk for a local cluster.
@@ -22,14 +27,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CloudrlError, ClusterUnreachable, NoSuchJob
+from cloudrl.trainer.errors import ClusterUnreachable
+
+from .errors import CloudrlError, NoSuchJob
 from .jobs import Detached, follow, job_info
-from .ray_api import ClusterClient
+from .local_cluster import Echo
+from .ray_api import ClusterChanged, ClusterClient
 
 MAX_RESUBMITS = 3
 POLL_S = 5.0
-
-Echo = Callable[[str], Any]
 
 
 def follow_through_restarts(
@@ -72,14 +78,29 @@ def follow_through_restarts(
 
 
 def wait_for_cluster(client: ClusterClient, wait_s: float) -> ClusterClient:
-    """A fresh client once the dashboard at the same address answers, or CloudrlError after `wait_s`."""
+    """A fresh client once the same cluster answers at the same address, or CloudrlError after `wait_s`.
+
+    The same cluster: the Ray session first contacted, or for --local the cluster the state file names
+    now (`cloudrl local up` started it here, with a token of its own). Any other cluster answering at the
+    address is refused at once (ClusterChanged): the job and its --env values are never sent to it.
+    """
     deadline = time.monotonic() + wait_s
     while True:
-        fresh = ClusterClient(client.address)  # new sessions: the old ones belong to the cluster that left
+        # New sessions: the old ones belong to the cluster that left.
+        if client.address.source == "local":
+            fresh = ClusterClient(client.address, insecure_http=client.insecure_http)
+        else:
+            fresh = ClusterClient(
+                client.address,
+                insecure_http=client.insecure_http,
+                expected_session=client.expected_session or client.session,
+            )
         try:
             fresh.check_version()
             return fresh
-        except CloudrlError as exc:
+        except ClusterChanged:
+            raise
+        except (ClusterUnreachable, CloudrlError) as exc:  # not answering yet, or not yet a Ray dashboard
             if time.monotonic() + POLL_S > deadline:
                 raise CloudrlError(
                     f"no cluster answered at {client.address.url} within {wait_s:g} s ({exc}); once it "

@@ -1,11 +1,28 @@
-"""The Ray head's side of a bring-up, run by tasks/ray-bootstrap.sh on rank 0 (shipped with it by the
-task's `files:`). Standard library only, plus Ray and torch, which the image has.
+"""The Python steps of tasks/ray-bootstrap.sh, one subcommand each (shipped beside it by the task's
+`files:`; under Slurm it lies beside it on the shared filesystem). Standard library only, plus Ray and
+torch, which the image has; the subcommands that run before the bootstrap installs Ray use the standard
+library alone.
 
-`watch`: beside the head's Ray process (in the foreground of the bootstrap). Listens for the workers' phase reports (`RANK PHASE EPOCH`
-lines: `started` when a worker's bootstrap begins, so its image is pulled; `installed` once it has
-cloudrl's Ray), polls Ray's state API until every node of DSTACK_NODES_IPS is alive, runs the fabric check,
-then prints the one ready line with how long each phase took. On timeout it names each missing node and what
-it last reported, and stops the head.
+Every node, while it prepares the start flags of its Ray node:
+
+`resources RAW KEY...`: this node's share of CLOUDRL_RAY_RESOURCES (RAW), a JSON object of amounts for
+all nodes or an object of such objects keyed by node rank or host name (the KEYs, first match wins).
+Prints the compact JSON ("" for none), or the one line that names the problem, with exit status 1.
+
+`with-resource --start-args=ARGS NAME=AMOUNT`: ARGS (CLOUDRL_RAY_START_ARGS) with NAME added to its
+`--resources=` flag, merged into one flag. Prints the new ARGS.
+
+`interface IP`: the name of the network interface that holds IPv4 address IP ("" if none).
+
+`object-store`: the object store size in bytes: half of /dev/shm, at most 30% of RAM.
+
+The head only:
+
+`watch`: beside the head's Ray process (in the foreground of the bootstrap). Listens for the workers' phase
+reports (`RANK PHASE EPOCH` lines: `started` when a worker's bootstrap begins, so its image is pulled;
+`installed` once it has cloudrl's Ray), polls Ray's state API until every node of DSTACK_NODES_IPS is alive,
+runs the fabric check, then prints the one ready line with how long each phase took. On timeout it names each
+missing node and what it last reported, and stops the head.
 
 `fabric`: a Ray driver that runs one process per node and an all-reduce across them with torch.distributed
 (NCCL on GPUs, Gloo on CPUs). Prints `fabric check: <backend> over <transport>, N nodes, bus bandwidth
@@ -15,10 +32,14 @@ sockets.
 
 from __future__ import annotations
 
+import argparse
+import fcntl
 import glob
+import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -35,7 +56,66 @@ def say(line: str) -> None:
     print(f"{RANK_LOG} {line}", flush=True)
 
 
-# --- watch ---------------------------------------------------------------------------------------
+# --- every node: the start flags of its Ray node --------------------------------------------------
+
+
+def node_resources(raw: str, keys: list[str]) -> str:
+    """This node's custom resources from CLOUDRL_RAY_RESOURCES, as compact JSON ("" for none); ValueError
+    (the text names the problem and the fix) when `raw` is no object of amounts."""
+    try:
+        given = json.loads(raw)
+        if not isinstance(given, dict):
+            raise ValueError("not an object")
+        if given and all(isinstance(v, dict) for v in given.values()):
+            given = next((given[k] for k in keys if k in given), {})
+        if not all(isinstance(v, (int, float)) and v >= 0 and " " not in k for k, v in given.items()):
+            raise ValueError("amounts must be numbers >= 0, names without spaces")
+    except ValueError as e:
+        raise ValueError(
+            f"CLOUDRL_RAY_RESOURCES={raw} is not a JSON object of resource amounts ({e}): write e.g. "
+            """'{"rollout_node": 1}', or '{"0": {"trainer_node": 1}, "1": {"rollout_node": 1}}' per node."""
+        ) from None
+    return json.dumps(given, separators=(",", ":")) if given else ""
+
+
+def with_resource(start_args: str, name: str, amount: float) -> str:
+    """Ray start flags with `name: amount` joined to the resources they already give, in one
+    `--resources=` flag (Ray would keep only the last of several). Split on whitespace, as the bootstrap
+    splits them for Ray: quotes are part of the JSON, not shell quoting."""
+    resources, kept = {}, []
+    for arg in start_args.split():
+        if arg.startswith("--resources="):
+            resources.update(json.loads(arg.split("=", 1)[1]))
+        else:
+            kept.append(arg)
+    resources[name] = amount
+    return " ".join(kept + ["--resources=" + json.dumps(resources, separators=(",", ":"))])
+
+
+def interface_of(ip: str) -> str:
+    """The name of the interface that holds IPv4 address `ip` ("" if none). Python, not `ip`: many images
+    do not ship iproute2."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _, name in socket.if_nameindex():
+        try:  # SIOCGIFADDR
+            addr = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))[20:24]
+        except OSError:
+            continue
+        if socket.inet_ntoa(addr) == ip:
+            return name
+    return ""
+
+
+def object_store_bytes() -> int:
+    """Half of /dev/shm, at most 30% of RAM (Ray's own default share), at least Ray's 75 MiB minimum:
+    /dev/shm also holds NCCL's and vLLM's shared-memory buffers, and Ray alone would take 95% of it."""
+    shm = os.statvfs("/dev/shm")
+    shm_bytes = shm.f_bavail * shm.f_frsize
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(min(shm_bytes // 2, ram * 3 // 10), 78643200)
+
+
+# --- the head: watch ---------------------------------------------------------------------------------------
 
 
 class PhaseListener(threading.Thread):
@@ -80,12 +160,10 @@ def describe(rank: int, ip: str, phases: dict[str, float], now: float) -> str:
     )
 
 
-def watch(argv: list[str]) -> int:
-    ray_pid, port, timeout, phase_port = int(argv[0]), argv[1], float(argv[2]), int(argv[3])
-    boot_start, installed, ray_started = (float(v) for v in argv[4:7])
-    expected = argv[7:]
+def watch(args: argparse.Namespace) -> int:
+    ray_pid, port, timeout, expected = args.ray_pid, args.dashboard_port, args.timeout, args.nodes
     start = time.monotonic()
-    listener = PhaseListener(expected[0], phase_port, len(expected))
+    listener = PhaseListener(expected[0], args.phase_port, len(expected))
     listener.start()
     from ray.util.state import list_nodes  # imported after `start`: the import counts against the timeout
 
@@ -135,7 +213,8 @@ def watch(argv: list[str]) -> int:
     fabric_s = None
     if os.environ.get("CLOUDRL_FABRIC_CHECK", "1") != "0":
         fabric_start = time.time()
-        check = subprocess.run([sys.executable, __file__, "fabric", *expected], timeout=None)
+        fabric_argv = [sys.executable, __file__, "fabric", "--ray-port", str(args.ray_port), *expected]
+        check = subprocess.run(fabric_argv, timeout=None)
         if check.returncode != 0:
             os.kill(ray_pid, signal.SIGTERM)
             return 1
@@ -143,7 +222,7 @@ def watch(argv: list[str]) -> int:
     gpus = sum(int(n.resources_total.get("GPU", 0)) for n in alive.values())
     say(
         f"cluster ready: {len(alive)} nodes, {gpus} GPUs, dashboard on :{port} "
-        f"({timings(boot_start, installed, ray_started, all_joined, listener.phases, fabric_s)})"
+        f"({timings(args.boot_start, args.installed, args.ray_started, all_joined, listener.phases, fabric_s)})"
     )
     return 0
 
@@ -173,7 +252,7 @@ def timings(
     return "; ".join(parts)
 
 
-# --- fabric --------------------------------------------------------------------------------------
+# --- the head: fabric --------------------------------------------------------------------------------------
 
 
 def probe(rank: int, world: int, master: str, port: int, size: int) -> dict:
@@ -229,11 +308,12 @@ def probe(rank: int, world: int, master: str, port: int, size: int) -> dict:
     }
 
 
-def fabric(expected: list[str]) -> int:
+def fabric(expected: list[str], ray_port: int) -> int:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    # The head's GCS by its address: "auto" would take whichever cluster this machine started last.
+    ray.init(address=f"{expected[0]}:{ray_port}", logging_level="ERROR", log_to_driver=False)
     by_ip = {n["NodeManagerAddress"]: n for n in ray.nodes() if n["Alive"]}
     gpus = all(by_ip[ip]["Resources"].get("GPU", 0) >= 1 for ip in expected)
     with socket.socket() as s:  # a free port on the head for torch.distributed's rendezvous
@@ -278,6 +358,58 @@ def fabric(expected: list[str]) -> int:
     return 0
 
 
+# --- the command line ---------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(prog="ray_bringup.py", description=__doc__.split("\n\n", 1)[0])
+    sub = cli.add_subparsers(dest="command", required=True)
+    resources = sub.add_parser("resources", help="this node's share of CLOUDRL_RAY_RESOURCES, as JSON")
+    resources.add_argument("raw", help="CLOUDRL_RAY_RESOURCES")
+    resources.add_argument("keys", nargs="*", help="this node's names: rank, host name, ... (empty ones skipped)")
+    added = sub.add_parser("with-resource", help="Ray start flags with one more custom resource")
+    added.add_argument("--start-args", default="", help="CLOUDRL_RAY_START_ARGS (write --start-args=VALUE)")
+    added.add_argument("resource", help="NAME=AMOUNT")
+    interface = sub.add_parser("interface", help="the interface that holds an IPv4 address")
+    interface.add_argument("ip")
+    sub.add_parser("object-store", help="object store bytes: half of /dev/shm, at most 30%% of RAM")
+    watcher = sub.add_parser("watch", help="the head: wait for every node, fabric check, ready line")
+    watcher.add_argument("--ray-pid", type=int, required=True, help="the head's Ray process, stopped on failure")
+    watcher.add_argument("--ray-port", type=int, required=True, help="the GCS port")
+    watcher.add_argument("--dashboard-port", type=int, required=True)
+    watcher.add_argument("--phase-port", type=int, required=True, help="where workers report their phases")
+    watcher.add_argument("--timeout", type=float, required=True, help="seconds to wait for every node")
+    watcher.add_argument("--boot-start", type=float, required=True, help="epoch seconds: bootstrap began")
+    watcher.add_argument("--installed", type=float, required=True, help="epoch seconds: packages installed")
+    watcher.add_argument("--ray-started", type=float, required=True, help="epoch seconds: Ray started")
+    watcher.add_argument("nodes", nargs="+", help="every node's address, the head's first")
+    check = sub.add_parser("fabric", help="an all-reduce across the nodes: transport, bandwidth, latency")
+    check.add_argument("--ray-port", type=int, required=True, help="the head's GCS port")
+    check.add_argument("nodes", nargs="+", help="every node's address, the head's first")
+    return cli
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "resources":
+        try:
+            print(node_resources(args.raw, [key for key in args.keys if key]))
+        except ValueError as e:
+            print(e)  # the bootstrap stops the node with this line
+            return 1
+    elif args.command == "with-resource":
+        name, _, amount = args.resource.partition("=")
+        print(with_resource(args.start_args, name, float(amount) if "." in amount else int(amount)))
+    elif args.command == "interface":
+        print(interface_of(args.ip))
+    elif args.command == "object-store":
+        print(object_store_bytes())
+    elif args.command == "watch":
+        return watch(args)
+    else:
+        return fabric(args.nodes, args.ray_port)
+    return 0
+
+
 if __name__ == "__main__":
-    mode, args = sys.argv[1], sys.argv[2:]
-    sys.exit(watch(args) if mode == "watch" else fabric(args))
+    sys.exit(main(sys.argv[1:]))

@@ -20,7 +20,15 @@ from .config_checks import choices, validate
 from .errors import ConfigError  # noqa: F401  (raised by the loading below; imported from here by callers)
 
 # PRESET_DIR, available_presets and preset_path are imported from here by the CLI and the tests, too.
-from .presets import PRESET_DIR, apply_mapping, available_presets, parse_override, preset_path, read_preset, set_key  # noqa: F401
+from .presets import (
+    PRESET_DIR,  # noqa: F401
+    apply_mapping,
+    available_presets,  # noqa: F401
+    parse_override,
+    preset_path,
+    read_preset,
+    set_key,
+)
 
 # Keys with a fixed set of values: `coerce` rejects anything else, `--help-config` lists them.
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -34,7 +42,9 @@ ALGORITHMS: tuple[str, ...] = typing.get_args(Algorithm)
 GROUP_ALGORITHMS: tuple[str, ...] = typing.get_args(GroupAlgorithm)
 
 
-# ---- Sections ------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
+# Sections
+# ----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -56,9 +66,11 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_files: str = "builtin:arithmetic"
-    """Prompts, comma separated: .jsonl/.parquet files, hf:DATASET[:CONFIG][@SPLIT] (docs/data.md), builtin:arithmetic."""
+    """Prompts, comma separated: .jsonl/.parquet files, hf:DATASET[:CONFIG][@SPLIT] (docs/data.md),
+    builtin:arithmetic."""
     val_files: str = ""
-    """Held-out prompts for validation (an hf: entry's split defaults to test); empty = the built-in task's, else none."""
+    """Held-out prompts for validation (an hf: entry's split defaults to test); empty = the built-in
+    task's, else none."""
     prompt_key: str = "prompt"
     """Column holding the prompt: a string, or a list of chat messages."""
     answer_key: str = ""
@@ -121,7 +133,8 @@ class RolloutConfig:
 @dataclass
 class SearchConfig:
     enabled: bool = False
-    """Multi-turn rollouts with a search tool (<search>q</search> -> <information>...</information>); docs/search-r1.md."""
+    """Multi-turn rollouts with a search tool (<search>q</search> -> <information>...</information>);
+    docs/search-r1.md."""
     url: str = "http://127.0.0.1:8000/retrieve"
     """Retriever each rollout worker queries (127.0.0.1: the one on its own node)."""
     topk: int = 3
@@ -268,8 +281,9 @@ class TrainerConfig:
     """PPO steps to run."""
     seed: int = 1
     """Seed for data order, sampling and initialisation."""
-    run_dir: str = "runs/local"
-    """Where metrics, checkpoints and the exported model go (a local disk or a mounted volume)."""
+    run_dir: str = ""
+    """Where metrics, checkpoints and the exported model go (a local disk or a mounted volume). Empty:
+    runs/<preset name>, so every preset and every preset file has a directory of its own."""
     save_every: int = 0
     """Checkpoint every N steps (0 = only at the end)."""
     keep_last: int = 2
@@ -289,11 +303,14 @@ class TrainerConfig:
     worker_timeout_s: float = 600.0
     """Longest wait for a worker to start, join its process group or finish a weight sync (then stop with a line)."""
     checkpoint_uri: str = ""
-    """Also keep checkpoints here (s3://bucket/prefix, gs://..., via fsspec; credentials from the environment): uploaded after each save, fetched on resume=auto."""
+    """Also keep checkpoints here (s3://bucket/prefix, gs://..., via fsspec; credentials from the
+    environment): uploaded after each save, fetched on resume=auto."""
     max_restarts: int = 3
-    """Times the run restarts its roles from the latest checkpoint after losing a worker, engine or node (0 = never)."""
+    """Times the run restarts its roles from the latest checkpoint after losing a worker, engine or node
+    (0 = never)."""
     restart_wait_s: float = 600.0
-    """Before a restart, longest wait for the cluster to have the capacity the config needs again (a replacement node)."""
+    """Before a restart, longest wait for the cluster to have the capacity the config needs again (a
+    replacement node)."""
 
 
 @dataclass
@@ -345,7 +362,9 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-# ---- Loading -------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
 
 
 def load_config(preset: str = "local", overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -356,6 +375,8 @@ def load_config(preset: str = "local", overrides: list[str] | tuple[str, ...] = 
     for item in overrides:
         key, value = parse_override(item)
         set_key(cfg, key, value, source="command line")
+    if not cfg.trainer.run_dir:  # a run never lands in another preset's directory by default
+        cfg.trainer.run_dir = f"runs/{path.stem}"
     validate(cfg)
     return cfg
 
@@ -396,5 +417,6 @@ def _field_docs(cls: type) -> dict[str, str]:
         body = tree.body[0].body  # type: ignore[attr-defined]
         for node, nxt in zip(body, body[1:]):
             if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = str(nxt.value.value).strip()  # type: ignore[union-attr]
+                # One line in `--help-config`, however the docstring wraps.
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
     return docs

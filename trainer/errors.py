@@ -49,7 +49,8 @@ class RecoveryFailed(TrainerError, RuntimeError):
 
 
 class ClusterUnreachable(TrainerError, ConnectionError):
-    """No Ray cluster answers at the address the trainer was told to join."""
+    """No Ray cluster answers at an address: the GCS the trainer was told to join, or the dashboard a
+    `cloudrl` command talks to."""
 
 
 def first_line(text: object, default: str = "no details") -> str:

@@ -5,7 +5,8 @@ line has a fixed shape that `cloudrl status` reads back from the job logs:
 
     step 3/40 [###.......] | rollout/reward_mean=0.531 actor/pg_loss=-0.012 ... | 1.23 s/step
 
-Also: `combine` (the token-weighted means of statistics over a role's ranks) and the run's summary text.
+Also: `Accumulator` and `combine` (a rank's token-weighted statistics, and their means over a role's
+ranks) and the run's summary text.
 """
 
 from __future__ import annotations
@@ -121,6 +122,21 @@ class Timer:
     def add(self, name: str, seconds: float) -> None:
         """Count `seconds` towards `timing/<name>` (negative: take them off)."""
         self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + seconds
+
+
+class Accumulator:
+    """Token-weighted sums of per-micro-batch statistics on one rank; `combine` merges the ranks' exactly."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, name: str, value: float, weight: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(value) * weight
+        self.weights[name] = self.weights.get(name, 0.0) + weight
+
+    def result(self) -> dict:
+        return {"sums": self.sums, "weights": self.weights}
 
 
 def combine(results: list[dict]) -> dict:

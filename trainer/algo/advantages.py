@@ -3,18 +3,23 @@ math (pure torch, through ppo_math), kept apart from the loop that calls it."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..config import Config
 from . import ppo_math as pm
 from .batch import Batch
+
+if TYPE_CHECKING:  # algo/ imports torch and itself only; the config is read, never built, here
+    from ..config import Config
 
 
 def compute_advantages(cfg: Config, batch: Batch, scores: torch.Tensor, kl_coef: float) -> dict:
     """Fill `batch` with the advantages (and returns, importance weights) of one step's samples;
     returns their metrics."""
     alg = cfg.algorithm
-    mask, n = batch["response_mask"], cfg.rollout.n
+    mask = batch["response_mask"]
+    n = cfg.rollout.n
     gen = batch.get("loss_mask", mask)  # generated tokens (multi-turn: GAE spans observations, KL does not)
     metrics: dict[str, float] = {}
     kl = None
@@ -27,12 +32,13 @@ def compute_advantages(cfg: Config, batch: Batch, scores: torch.Tensor, kl_coef:
         metrics["rollout/logprob_diff"] = float(
             pm.masked_mean((batch["old_logprobs"] - batch["engine_logprobs"]).abs(), gen)
         )
-        if cfg.corrects_logprobs:  # importance weights: current policy over the sampling one, capped
-            ratio = torch.exp(batch["old_logprobs"] - batch["engine_logprobs"])
-            cap = cfg.rollout.logprob_correction_cap
-            batch["is_weights"] = ratio.clamp(max=cap) * gen
-            metrics["rollout/is_weight_mean"] = float(pm.masked_mean(ratio, gen))
-            metrics["rollout/is_weight_capped"] = float(pm.masked_mean((ratio > cap).float(), gen))
+        if cfg.corrects_logprobs:  # the current policy over the sampling one, truncated
+            weights, stats = pm.truncated_importance_weights(
+                batch["old_logprobs"], batch["engine_logprobs"], gen, cfg.rollout.logprob_correction_cap
+            )
+            batch["is_weights"] = weights
+            metrics["rollout/is_weight_mean"] = stats["is_weight_mean"]
+            metrics["rollout/is_weight_capped"] = stats["is_weight_capped"]
     rewards = pm.token_level_rewards(scores, mask, kl if in_reward else None, kl_coef if in_reward else 0.0)
     seq_scores = scores - kl_coef * kl.sum(-1) if in_reward else scores
     if alg.name == "ppo":

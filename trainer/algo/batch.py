@@ -136,7 +136,8 @@ def update_shards(batch: Batch, world: int, role_cfg, seed: int) -> tuple[list[B
     """Split a step's sequences into mini-batches (shuffled per epoch) and give each rank its
     contiguous part of every mini-batch. Returns the per-rank batches and each mini-batch's global
     response-token count, the loss normaliser that makes W ranks add up to one big batch."""
-    n, mini = batch.size, role_cfg.mini_batch_size
+    n = batch.size
+    mini = role_cfg.mini_batch_size
     gen = torch.Generator().manual_seed(seed)
     parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
     normalizers: list[float] = []

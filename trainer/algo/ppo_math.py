@@ -1,8 +1,9 @@
 """The math of PPO, GRPO, RLOO and REINFORCE++ for LLMs, as pure torch functions.
 
 Read top to bottom in the order a training step uses it: log-probs and entropy from logits,
-KL estimators, token-level rewards, advantages, the policy and value losses, diagnostics,
-and the KL-coefficient controllers. Nothing here knows about Ray, models or tokenizers.
+KL estimators, token-level rewards, advantages, importance weights between the sampler and the
+trained policy, the policy and value losses, diagnostics, and the KL-coefficient controllers.
+Nothing here knows about Ray, models or tokenizers.
 
 Conventions
   B = sequences in the batch, T = padded response length, V = vocabulary size.
@@ -252,6 +253,37 @@ def reinforce_pp_baseline_advantages(scores, mask, group_size, eps=1e-6):
 
 
 # ----------------------------------------------------------------------------------------------
+# Importance weights between the sampling policy and the trained one
+# ----------------------------------------------------------------------------------------------
+
+
+def truncated_importance_weights(logprobs, sampler_logprobs, mask, cap):
+    """Truncated importance weights of the trained policy over the sampler.  [B, T] each -> (weights, stats).
+
+      ratio_t   = exp(logp_t - logp_sampler_t)
+      weights_t = min(ratio_t, cap)              0 on padding
+    The tokens were sampled by an engine whose log-probs differ from the trainer's (other kernels,
+    other precision, or weights from before the last update when rollouts lag): multiplying the
+    advantages by these weights corrects the policy gradient for that, and the cap bounds its
+    variance. Truncated importance sampling as in IMPALA (Espeholt et al. 2018), applied to LLM
+    rollout engines by Yao et al. 2025 ("Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training").
+
+    Returns (weights, stats); stats holds python floats over the valid tokens:
+      is_weight_mean    mean of the untruncated ratio
+      is_weight_capped  fraction where ratio > cap (the truncation is the one taken)
+    """
+    m = mask.bool()
+    ratio = torch.exp(logprobs - sampler_logprobs)
+    weights = torch.where(m, ratio.clamp(max=cap), 0)
+    stats = {
+        "is_weight_mean": masked_mean(ratio, m).item(),
+        "is_weight_capped": masked_mean((ratio > cap).float(), m).item(),
+    }
+    return weights, stats
+
+
+# ----------------------------------------------------------------------------------------------
 # Losses
 # ----------------------------------------------------------------------------------------------
 
@@ -319,7 +351,8 @@ def value_loss(values, old_values, returns, mask, clip_range=0.2, normalizer=Non
     """
     m = mask.bool()
     unclipped = (values - returns) ** 2
-    losses, clipfrac = unclipped, 0.0
+    losses = unclipped
+    clipfrac = 0.0
     if clip_range is not None:
         v_clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
         clipped = (v_clipped - returns) ** 2
@@ -382,7 +415,9 @@ class AdaptiveKLController:
     def __init__(self, init_coef, target, horizon):
         if target <= 0 or horizon <= 0:
             raise ValueError(f"target and horizon must be > 0, got target={target}, horizon={horizon}")
-        self.value, self.target, self.horizon = float(init_coef), float(target), float(horizon)
+        self.value = float(init_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
 
     def update(self, current_kl, n_steps):
         err = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)

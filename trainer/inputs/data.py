@@ -15,6 +15,7 @@ pyarrow is imported only when a Parquet file is read, `datasets` only for an `hf
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from dataclasses import dataclass, field, replace
@@ -162,19 +163,29 @@ def _rows_to_records(
 
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg}): fix or remove the line") from None
-            if not isinstance(row, dict):
-                raise DataError(
-                    f'{path}:{lineno}: a line must be a JSON object like {{"prompt": "..."}}, got {type(row).__name__}'
-                )
-            rows.append((str(lineno), row))
+    # Decoded whole, so a bad byte is reported at its offset in the file (a text-mode reader would
+    # raise a UnicodeDecodeError traceback with an offset into its own buffer).
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at byte offset {exc.start}): re-save it as "
+            f"UTF-8, e.g. `iconv -f latin1 -t utf-8 {path} > fixed.jsonl` (JSON Lines files are UTF-8)"
+        ) from None
+    # Lines as a text-mode file splits them (\n, \r\n, \r), never at U+2028 inside a JSON string.
+    for lineno, line in enumerate(io.StringIO(text, newline=None), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg}): fix or remove the line") from None
+        if not isinstance(row, dict):
+            raise DataError(
+                f'{path}:{lineno}: a line must be a JSON object like {{"prompt": "..."}}, got {type(row).__name__}'
+            )
+        rows.append((str(lineno), row))
     return rows
 
 

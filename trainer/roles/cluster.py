@@ -6,9 +6,12 @@ placement group or actor exists, so a cluster too small for the config fails in 
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import secrets
 import socket
+import tempfile
 
 from ..config import Config, ConfigError
 from ..errors import ClusterUnreachable
@@ -43,6 +46,7 @@ def connect(cfg: Config, requests: list[RoleRequest]) -> bool:
     if address:
         source = "trainer.ray_address" if cfg.trainer.ray_address else "RAY_ADDRESS"
         probe(address, source)
+        _use_local_cluster_token(address)
         try:
             ray.init(address=address, **quiet)
         except ConnectionError as exc:  # something listens there, but Ray gave up on it (after ~20 s)
@@ -50,8 +54,60 @@ def connect(cfg: Config, requests: list[RoleRequest]) -> bool:
         return False
     # Logical CPUs: the roles take turns within a step, so a 2-core laptop can host all of them.
     needed = math.ceil(sum(r.total("CPU") for r in requests))
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **quiet)
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, needed),
+        include_dashboard=False,
+        _temp_dir=private_temp_dir(),
+        **quiet,
+    )
     return True
+
+
+def private_temp_dir() -> str:
+    """A root for the private Ray instance's sessions inside a 0700 directory, and its token auth set up
+    for this process.
+
+    Ray's default root, /tmp/ray, is shared by every user of the machine (its session dirs are 0777).
+    Without RAY_AUTH_MODE Ray turns token auth on and writes a token to ~/.ray/auth_token with the
+    default umask, readable by every user whose home is traversable: instead the instance gets a random
+    token of its own, kept in this process's environment (its child processes inherit it) and never
+    written. An explicit RAY_AUTH_MODE (or RAY_AUTH_TOKEN) is left as it is.
+    """
+    if os.environ.get("RAY_AUTH_MODE") in (None, "", "token"):
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        _reload_ray_auth()
+    # Ray makes the directory it is given (and its sessions) mode 0777: it gets one inside a 0700 one.
+    private = tempfile.mkdtemp(prefix="cloudrl-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    return os.path.join(private, "ray")
+
+
+def _use_local_cluster_token(address: str) -> None:
+    """Joining the `cloudrl local up` cluster by its GCS address: use its token (Ray token auth), which
+    the CLI keeps in a 0600 file next to its state. Any other address is left to RAY_AUTH_TOKEN."""
+    from ..paths import cache_dir
+
+    try:
+        state = json.loads((cache_dir() / "local-cluster.json").read_text())
+        if state.get("gcs_address") != address or not state.get("token_file"):
+            return
+        token = open(state["token_file"]).read().strip()
+    except (OSError, ValueError, AttributeError):
+        return
+    if token:  # this cluster's own token wins over one in the environment, which is for another
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = token
+        _reload_ray_auth()
+
+
+def _reload_ray_auth() -> None:
+    """Make this process's Ray read RAY_AUTH_MODE/RAY_AUTH_TOKEN again: it caches both when first
+    imported (as Ray's own `_enable_token_auth` does after changing the mode)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def probe(address: str, source: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:

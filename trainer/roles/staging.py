@@ -5,8 +5,11 @@
     path = on_this_node(staged[model_path])
 
 A model is named by one of:
-- a directory on the driver's disk (`builtin:tiny` is materialised into one). It is fingerprinted (file
-  names and sizes, the bytes of its small files). A node where the same path holds the same fingerprint
+- a directory on the driver's disk (`builtin:tiny` is materialised into one). It is fingerprinted by its
+  content: every file's name and SHA-256, so two fine-tunes of one architecture (same names, same sizes)
+  never pass for each other. A large file's hash is computed once per machine and cached keyed by its
+  path, size, mtime, ctime and inode (`$CLOUDRL_CACHE/fingerprints/`). A node where the same path holds
+  the same fingerprint
   (a shared volume, an image, the job's working directory) uses it as is; any other node gets the
   directory once through Ray's object store, unpacked into its cache (`$CLOUDRL_CACHE/models/`).
   Directories over SHIP_LIMIT_BYTES are not shipped: a node that lacks one fails here, in one line.
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
+import shutil
 import socket
 import tarfile
 import time
@@ -33,8 +38,10 @@ from ..paths import cache_dir
 SHIP_LIMIT_BYTES = 2 * 1024**3
 """Largest model directory the driver sends to nodes that lack it (through Ray's object store)."""
 SMALL_FILE_BYTES = 1024**2
-"""Files up to this size (configs, tokenizers) are hashed byte for byte in a fingerprint; larger
-ones (weights) by name and size, so fingerprinting a 15 GB model stays instant."""
+"""Files up to this size (configs, tokenizers) are hashed on every fingerprint; larger ones (weights)
+once, their SHA-256 then cached (see `file_sha256`)."""
+RACY_SECONDS = 2.0
+"""A file modified this recently may change again within the same mtime tick: its hash is not cached."""
 # What a hub download fetches: weights, configs, tokenizers, chat templates, remote code.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.tiktoken", "*.jinja"]
 
@@ -68,15 +75,49 @@ def is_hub_id(path: str) -> bool:
 
 
 def fingerprint(directory: str | Path) -> str:
-    """A digest of a model directory: every file's relative name and size, small files' bytes."""
+    """A digest of a model directory's content: every file's relative name and SHA-256 (hidden files,
+    such as a shipped copy's `.complete`, are not the model)."""
     root = Path(directory)
     digest = hashlib.sha256()
     for file in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        size = file.stat().st_size
-        digest.update(f"{file.relative_to(root)}\0{size}\0".encode())
-        if size <= SMALL_FILE_BYTES:
-            digest.update(file.read_bytes())
+        digest.update(f"{file.relative_to(root)}\0{file_sha256(file)}\0".encode())
     return digest.hexdigest()[:16]
+
+
+def file_sha256(file: Path) -> str:
+    """A file's SHA-256; for files over SMALL_FILE_BYTES cached on this machine keyed by path, size,
+    mtime, ctime and inode, so the weights of a model are read once, not at every stage."""
+    st = file.stat()
+    if st.st_size <= SMALL_FILE_BYTES:
+        return hashlib.sha256(file.read_bytes()).hexdigest()
+    resolved = str(file.resolve())
+    key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+    cache = cache_dir() / "fingerprints" / f"{hashlib.sha256(resolved.encode()).hexdigest()[:32]}.json"
+    try:
+        entry = json.loads(cache.read_text())
+        if entry.get("path") == resolved and entry.get("key") == key and isinstance(entry.get("sha256"), str):
+            return entry["sha256"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    value = read_sha256(file)
+    if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_SECONDS * 1e9:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"path": resolved, "key": key, "sha256": value}))
+            os.replace(tmp, cache)
+        except OSError:  # a read-only cache costs time, not correctness
+            pass
+    return value
+
+
+def read_sha256(file: Path) -> str:
+    """A file's SHA-256, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as fh:
+        for block in iter(lambda: fh.read(1024**2), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def directory_size(directory: str | Path) -> int:
@@ -108,26 +149,42 @@ def check_local(path: str, expected: str) -> str | None:
     if here.is_dir() and fingerprint(here) == expected:
         return str(here.resolve())
     copy = cache_root() / f"{here.name or 'model'}-{expected}"
-    if (copy / ".complete").exists():
+    if _complete(copy, expected):
         return str(copy)
     return None
+
+
+def _complete(copy: Path, expected: str) -> bool:
+    """A shipped copy that finished unpacking and still holds the model it was shipped as."""
+    try:
+        marked = (copy / ".complete").read_text().strip() == expected
+    except OSError:
+        return False
+    return marked and fingerprint(copy) == expected
 
 
 def unpack(path: str, expected: str, blob: bytes) -> str:
     """Write a shipped directory into this node's cache (atomically: a crash leaves no half copy)."""
     copy = cache_root() / f"{Path(path).name or 'model'}-{expected}"
-    if (copy / ".complete").exists():
+    if _complete(copy, expected):
         return str(copy)
     tmp = copy.with_name(f"{copy.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:
         tar.extractall(tmp, filter="data")
+    got = fingerprint(tmp)
+    if got != expected:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelLoadError(
+            f"the copy of {path} shipped to node {socket.gethostname()} has fingerprint {got}, not {expected}: "
+            f"the directory changed on the driver while the run started; start the run again once it is final"
+        )
     (tmp / ".complete").write_text(expected)
     try:
+        if copy.exists() and not _complete(copy, expected):  # a stale or damaged earlier copy
+            shutil.rmtree(copy, ignore_errors=True)
         os.replace(tmp, copy)
     except OSError:  # another worker of this node finished first
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return str(copy)
 

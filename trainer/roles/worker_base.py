@@ -21,6 +21,7 @@ import torch
 from ..algo import ppo_math as pm
 from ..algo.batch import Batch, position_ids
 from ..config import config_from_dict
+from ..errors import TrainerError
 from ..inputs.models import dtype_of
 
 
@@ -63,24 +64,49 @@ def forward_values(model, batch: Batch) -> torch.Tensor:
 
 
 class WorkerBase:
-    """What every role's worker has: its config, rank, device and process-group plumbing."""
+    """What every role's worker has: its config, rank, device and process-group plumbing.
 
+    A worker's constructor catches the TrainerError of a start that fails and hands it to
+    `_failed_to_start`, which keeps it for `where` to raise.
+    """
+
+    role: str
     sharded = False  # TrainableWorker decides per role
+    start_error: TrainerError | None = None  # why the constructor failed, inside a Ray actor
 
     def __init__(self, cfg_dict: dict, rank: int = 0, world_size: int = 1):
         from ..inputs.models import quiet_transformers
 
         quiet_transformers()
         self.cfg = config_from_dict(cfg_dict)
-        self.rank, self.world_size = rank, world_size
+        self.rank = rank
+        self.world_size = world_size
         # The GPUs a worker may use are the ones its CUDA_VISIBLE_DEVICES names (Ray sets it for ranks
         # that own GPUs, the launcher for colocated workers, "" for CPU-only workers); on a machine
         # without CUDA the same layout runs on CPU (a rehearsal with logical GPUs).
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(self.cfg.trainer.seed + rank)
 
+    def _failed_to_start(self, exc: TrainerError, rank: int) -> None:
+        """A worker that cannot start (a model that cannot load, a reward file missing on its node) ends
+        the run with one line naming its role, rank and node. Inside a Ray actor the error is kept and
+        raised by the worker's first call, `where()` (launch_roles waits on it for every worker): raised
+        from the constructor, Ray would print its traceback into the job's log and hand back only its
+        text. A worker built directly (tests, benchmarks) raises it at once."""
+        try:
+            import ray
+        except ImportError:  # built in-process where Ray is not installed (bench/gpu_smoke.py on a GPU image)
+            raise exc from None
+        error = type(exc)(f"{self.role} rank {rank} on node {ray.util.get_node_ip_address()}: {exc}")
+        if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
+            raise error from exc  # built directly, not as an actor
+        self.start_error = error
+
     def where(self) -> dict:
-        """Node, process and GPU ids of this worker (the placement log, and the colocation plan)."""
+        """Node, process and GPU ids of this worker (the placement log, and the colocation plan). The
+        first call every worker gets: it raises the error of a constructor that failed."""
+        if self.start_error is not None:
+            raise self.start_error
         import ray
 
         ctx = ray.get_runtime_context()
@@ -249,14 +275,22 @@ class TrainableWorker(WorkerBase):
         import torch.distributed.checkpoint as dcp
 
         target = directory if os.path.isdir(os.path.dirname(directory)) else tempfile.mkdtemp(prefix="cloudrl-shards-")
-        with _single_process_quiet():
-            dcp.save(self._sharded_state(), checkpoint_id=target)
         files: dict[str, bytes] = {}
-        if target != directory:
-            for name in os.listdir(target):
-                with open(os.path.join(target, name), "rb") as f:
-                    files[name] = f.read()
-            shutil.rmtree(target, ignore_errors=True)
+        try:
+            with _single_process_quiet():
+                dcp.save(self._sharded_state(), checkpoint_id=target)
+            if target != directory:
+                for name in os.listdir(target):
+                    with open(os.path.join(target, name), "rb") as f:
+                        files[name] = f.read()
+        except BaseException as exc:
+            error = _shard_error(exc, f"{self.role} rank {self.rank}: writing its checkpoint shards to {target}")
+            if error is None:
+                raise
+            raise error from None
+        finally:  # a failed save (a full scratch disk) leaves no scratch copy behind either
+            if target != directory:
+                shutil.rmtree(target, ignore_errors=True)
         return files, self.scheduler.state_dict() if self.rank == 0 else None
 
     def sees(self, directory: str) -> bool:
@@ -264,27 +298,38 @@ class TrainableWorker(WorkerBase):
 
     def load_shards(self, directory: str, scheduler: dict, files: dict | None = None) -> None:
         """Read this rank's part of the DCP `directory` (resharded to this run's ranks); a collective.
-        `files` (name -> object ref, or bytes) stands in for a directory this node cannot see."""
+        `files` (name -> object ref, or bytes) stands in for a directory this node cannot see. The
+        metadata is read as DCP's own classes only and non-tensor items with weights_only=True
+        (state/checkpoint.py): a checkpoint is data, whatever its files hold."""
         import shutil
         import tempfile
 
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        from ..state.checkpoint import safe_planner, safe_reader
+
         source = directory
         if files is not None:
             source = tempfile.mkdtemp(prefix="cloudrl-shards-")
-            for name, data in files.items():
+        try:
+            for name, data in (files or {}).items():
+                if name != os.path.basename(name) or name in ("", ".", ".."):
+                    raise TrainerError(f"checkpoint shard name {name!r} leaves its directory: refused")
                 if not isinstance(data, bytes):
                     import ray
 
                     data = ray.get(data)
                 with open(os.path.join(source, name), "wb") as f:
                     f.write(data)
-        try:
             state = self._sharded_state()
             with _single_process_quiet():
-                dcp.load(state, checkpoint_id=source)
+                dcp.load(state, checkpoint_id=source, storage_reader=safe_reader(source), planner=safe_planner())
+        except BaseException as exc:
+            error = _shard_error(exc, f"{self.role} rank {self.rank}: reading its checkpoint shards from {directory}")
+            if error is None:
+                raise
+            raise error from None
         finally:
             if source != directory:
                 shutil.rmtree(source, ignore_errors=True)
@@ -297,28 +342,27 @@ class UpdateResult:
     """What a trained role's `update` returns to the driver."""
 
     stats: dict
-    """Token-weighted sums of the rank's statistics (Accumulator.result); metrics.combine merges ranks."""
-
-
-class Accumulator:
-    """Token-weighted sums of per-micro-batch statistics; the driver combines ranks exactly."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-
-    def add(self, name: str, value: float, weight: float) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(value) * weight
-        self.weights[name] = self.weights.get(name, 0.0) + weight
-
-    def result(self) -> dict:
-        return {"sums": self.sums, "weights": self.weights}
+    """Token-weighted sums of the rank's statistics (metrics.Accumulator.result); metrics.combine merges ranks."""
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     if device.type == "cpu":
         return batch
     return Batch({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+
+
+def _shard_error(exc: BaseException, what: str) -> TrainerError | None:
+    """DCP reports a rank's failure (a full disk, a refused metadata file) as a CheckpointException, a
+    BaseException that would end the Ray actor as if it had died: a CheckpointError naming the first
+    cause, in one line, to raise instead. None for anything else (raised unchanged)."""
+    from ..errors import CheckpointError, first_line
+
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, Exception) or not isinstance(failures, dict):
+        return None
+    causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()] or [exc]
+    cause = causes[0]
+    return CheckpointError(f"{what} failed ({type(cause).__name__}: {first_line(cause)[:300]})")
 
 
 @contextlib.contextmanager

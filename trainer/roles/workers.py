@@ -8,12 +8,13 @@ at import time, so the classes can be read and tested on their own.
 - RewardWorker     rule-based reward functions, plus an optional reward model.
 - RolloutWorker    a generation engine (transformers or vLLM) that receives new weights each step.
 
-What they share (forward passes, process group, sharding, optimizer step) is in worker_base.py.
+What they share (forward passes, process group, sharding, optimizer step) is in worker_base.py. Each
+constructor hands a TrainerError to `WorkerBase._failed_to_start`, so that a worker that cannot start
+ends the run with one line naming its role, rank and node.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
@@ -21,9 +22,9 @@ import torch
 from ..algo import ppo_math as pm
 from ..algo.batch import Batch, from_wire, to_wire
 from ..errors import TrainerError
+from ..metrics import Accumulator
 from .staging import NodePaths, on_this_node
 from .worker_base import (
-    Accumulator,
     TrainableWorker,
     UpdateResult,
     WorkerBase,
@@ -33,39 +34,6 @@ from .worker_base import (
 )
 
 
-def reports_load_errors(cls):
-    """A worker that cannot start (a model that cannot load, a reward file missing on its node) ends the
-    run with one line naming its role, rank and node. Inside a Ray actor the error is kept and raised by
-    the worker's first call, `where()` (launch_roles waits on it for every worker): raised from the
-    constructor, Ray would print its traceback into the job's log and hand back only its text."""
-    init, where = cls.__init__, cls.where
-
-    @functools.wraps(init)
-    def __init__(self, cfg_dict: dict, model_path, *args, rank: int = 0, **kwargs):
-        self.start_error = None
-        try:
-            init(self, cfg_dict, model_path, *args, rank=rank, **kwargs)
-        except TrainerError as exc:
-            try:
-                import ray
-            except ImportError:  # built in-process where Ray is not installed (bench/gpu_smoke.py on a GPU image)
-                raise exc from None
-            error = type(exc)(f"{self.role} rank {rank} on node {ray.util.get_node_ip_address()}: {exc}")
-            if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
-                raise error from exc  # built directly (tests, benchmarks), not as an actor
-            self.start_error = error
-
-    @functools.wraps(where)
-    def checked_where(self) -> dict:
-        if self.start_error is not None:
-            raise self.start_error
-        return where(self)
-
-    cls.__init__, cls.where = __init__, checked_where
-    return cls
-
-
-@reports_load_errors
 class PolicyWorker(TrainableWorker):
     role = "actor"
 
@@ -77,18 +45,23 @@ class PolicyWorker(TrainableWorker):
         world_size: int = 1,
         with_reference: bool = False,
     ):
-        super().__init__(cfg_dict, rank, world_size)
-        from ..inputs.models import load_causal_lm, load_tokenizer
+        try:
+            super().__init__(cfg_dict, rank, world_size)
+            from ..inputs.models import load_causal_lm, load_tokenizer
 
-        cfg = self.cfg
-        self.model_path = model_path = on_this_node(model_path)
-        self.model = load_causal_lm(model_path, "float32", cfg.model.trust_remote_code)  # master weights
-        self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        self.reference = self.engine = None
-        self.last_update_end: float | None = None  # perf_counter when update() last returned
-        if with_reference:  # frozen: held in model.dtype, sharded like the policy
-            self.reference = load_causal_lm(model_path, cfg.model.dtype, cfg.model.trust_remote_code)
-            self.reference.eval().requires_grad_(False)
+            cfg = self.cfg
+            model_path = on_this_node(model_path)
+            self.model_path = model_path
+            self.model = load_causal_lm(model_path, "float32", cfg.model.trust_remote_code)  # master weights
+            self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+            self.reference = None
+            self.engine = None
+            self.last_update_end: float | None = None  # perf_counter when update() last returned
+            if with_reference:  # frozen: held in model.dtype, sharded like the policy
+                self.reference = load_causal_lm(model_path, cfg.model.dtype, cfg.model.trust_remote_code)
+                self.reference.eval().requires_grad_(False)
+        except TrainerError as exc:
+            self._failed_to_start(exc, rank)
 
     def start_training(self, addr: str = "127.0.0.1", port: int = 0) -> None:
         super().start_training(addr, port)
@@ -137,28 +110,33 @@ class PolicyWorker(TrainableWorker):
 
     def update(self, shard: Batch, normalizers: list[float], kl_coef: float) -> UpdateResult:
         """PPO epochs over this rank's part of every mini-batch. `normalizers[i]` is the global
-        number of response tokens in mini-batch i (over all ranks). Also reports the seconds since the
-        previous update ended: this worker's other calls (log-probs, weight export) and its waiting."""
-        start, key = time.perf_counter(), "timing/actor_between_updates"
-        stats = self._ppo_epochs(shard, normalizers, kl_coef)
+        number of response tokens in mini-batch i (over all ranks). Also reports the seconds since this
+        worker's previous update ended (its other calls, such as log-probs and the weight export, and
+        its waiting for this one)."""
+        start = time.perf_counter()
+        acc = self._ppo_epochs(shard, normalizers, kl_coef)
         if self.last_update_end is not None:
-            stats["sums"][key], stats["weights"][key] = start - self.last_update_end, 1.0
+            acc.add("timing/actor_between_updates", start - self.last_update_end, 1.0)
         self.last_update_end = time.perf_counter()
-        return UpdateResult(stats)
+        return UpdateResult(acc.result())
 
-    def _ppo_epochs(self, shard: Batch, normalizers: list[float], kl_coef: float) -> dict:
-        a, alg = self.cfg.actor, self.cfg.algorithm
+    def _ppo_epochs(self, shard: Batch, normalizers: list[float], kl_coef: float) -> Accumulator:
+        actor_cfg = self.cfg.actor
+        alg = self.cfg.algorithm
         per_rank = shard.size // len(normalizers)
         acc = Accumulator()
         self.comm_seconds = 0.0
         kl_in_loss = alg.kl_mode == "loss" and kl_coef > 0 and "ref_logprobs" in shard
         for mini, norm in zip(shard.chunks(per_rank), normalizers):
-            for micro in mini.chunks(a.micro_batch_size):
+            for micro in mini.chunks(actor_cfg.micro_batch_size):
                 micro = to_device(micro, self.device)
                 mask = micro["response_mask"]
                 with self.autocast():
                     logprobs, entropy = forward_logprobs(
-                        self.model, micro, self.cfg.rollout.temperature, entropy="grad" if a.entropy_coef else "metric"
+                        self.model,
+                        micro,
+                        self.cfg.rollout.temperature,
+                        entropy="grad" if actor_cfg.entropy_coef else "metric",
                     )
                 if "old_logprobs" in micro:
                     old = micro["old_logprobs"]
@@ -168,16 +146,28 @@ class PolicyWorker(TrainableWorker):
                         diff = pm.masked_mean((old - micro["engine_logprobs"]).abs(), mask)
                         acc.add("rollout/logprob_diff", diff.item(), mask.sum().item())
                         if self.cfg.corrects_logprobs:  # the importance weights, from this same pass
-                            micro["is_weights"] = self._is_weights(old, micro["engine_logprobs"], mask, acc)
+                            weights, is_stats = pm.truncated_importance_weights(
+                                old, micro["engine_logprobs"], mask, self.cfg.rollout.logprob_correction_cap
+                            )
+                            micro["is_weights"] = weights
+                            for name, value in is_stats.items():
+                                acc.add(f"rollout/{name}", value, mask.sum().item())
                 advantages = micro["advantages"]
                 if "is_weights" in micro:  # truncated importance weights: trainer over sampler
                     advantages = advantages * micro["is_weights"]
                 loss, stats = pm.policy_loss(
-                    logprobs, old, advantages, mask, a.clip_low, a.clip_high, a.dual_clip or None, normalizer=norm
+                    logprobs,
+                    old,
+                    advantages,
+                    mask,
+                    actor_cfg.clip_low,
+                    actor_cfg.clip_high,
+                    actor_cfg.dual_clip or None,
+                    normalizer=norm,
                 )
                 acc.add("actor/pg_loss", loss.item() * norm / max(mask.sum().item(), 1.0), mask.sum().item())
-                if a.entropy_coef:
-                    loss = loss - a.entropy_coef * pm.aggregate_loss(entropy, mask, norm)
+                if actor_cfg.entropy_coef:
+                    loss = loss - actor_cfg.entropy_coef * pm.aggregate_loss(entropy, mask, norm)
                 if kl_in_loss:
                     kl = pm.kl_estimate(logprobs, micro["ref_logprobs"], alg.kl_estimator)
                     loss = loss + kl_coef * pm.aggregate_loss(kl, mask, norm)
@@ -187,20 +177,10 @@ class PolicyWorker(TrainableWorker):
                 acc.add("actor/entropy", pm.masked_mean(entropy.detach(), mask).item(), tokens)
                 for name, value in stats.items():
                     acc.add(f"actor/{name}", value, tokens)
-            acc.add("actor/grad_norm", self._step(a.grad_clip), 1.0)
+            acc.add("actor/grad_norm", self._step(actor_cfg.grad_clip), 1.0)
         acc.add("actor/lr", self.scheduler.get_last_lr()[0], 1.0)
         acc.add("timing/comm_actor", self.comm_seconds, 1.0)
-        return acc.result()
-
-    def _is_weights(self, logprobs, engine_logprobs, mask, acc: Accumulator):
-        """min(exp(logp_trainer - logp_engine), cap) per token (as advantages.compute_advantages does when
-        the old log-probs come from a pass of their own), with their mean and capped share."""
-        ratio = torch.exp(logprobs - engine_logprobs)
-        cap = self.cfg.rollout.logprob_correction_cap
-        tokens = mask.sum().item()
-        acc.add("rollout/is_weight_mean", pm.masked_mean(ratio, mask).item(), tokens)
-        acc.add("rollout/is_weight_capped", pm.masked_mean((ratio > cap).float(), mask).item(), tokens)
-        return ratio.clamp(max=cap) * mask
+        return acc
 
     def weights(self) -> list[tuple[str, object]] | None:
         """The policy's parameters by Hugging Face name, on CPU, for the rollout engines (rank 0;
@@ -246,16 +226,18 @@ class PolicyWorker(TrainableWorker):
         return path
 
 
-@reports_load_errors
 class CriticWorker(TrainableWorker):
     role = "critic"
 
     def __init__(self, cfg_dict: dict, model_path: str | NodePaths, rank: int = 0, world_size: int = 1):
-        super().__init__(cfg_dict, rank, world_size)
-        from ..inputs.models import load_value_model
+        try:
+            super().__init__(cfg_dict, rank, world_size)
+            from ..inputs.models import load_value_model
 
-        model_path = on_this_node(model_path)
-        self.model = load_value_model(model_path, "float32", self.cfg.model.trust_remote_code)  # master weights
+            model_path = on_this_node(model_path)
+            self.model = load_value_model(model_path, "float32", self.cfg.model.trust_remote_code)  # master weights
+        except TrainerError as exc:
+            self._failed_to_start(exc, rank)
 
     @torch.no_grad()  # not inference_mode: see PolicyWorker.logprobs
     def values(self, batch: Batch) -> torch.Tensor:
@@ -269,40 +251,42 @@ class CriticWorker(TrainableWorker):
         return torch.cat(out)
 
     def update(self, shard: Batch, normalizers: list[float]) -> UpdateResult:
-        c = self.cfg.critic
+        critic_cfg = self.cfg.critic
         per_rank = shard.size // len(normalizers)
         acc = Accumulator()
         self.comm_seconds = 0.0
         for mini, norm in zip(shard.chunks(per_rank), normalizers):
-            for micro in mini.chunks(c.micro_batch_size):
+            for micro in mini.chunks(critic_cfg.micro_batch_size):
                 micro = to_device(micro, self.device)
                 mask = micro["response_mask"]
                 with self.autocast():
                     values = forward_values(self.model, micro)
                 loss, stats = pm.value_loss(
-                    values, micro["values"], micro["returns"], mask, c.clip_value or None, normalizer=norm
+                    values, micro["values"], micro["returns"], mask, critic_cfg.clip_value or None, normalizer=norm
                 )
                 (loss * self.grad_scale).backward()
                 tokens = mask.sum().item()
                 acc.add("critic/vf_loss", loss.item() * norm / max(tokens, 1.0), tokens)
                 for name, value in stats.items():
                     acc.add(f"critic/{name}", value, tokens)
-            acc.add("critic/grad_norm", self._step(c.grad_clip), 1.0)
+            acc.add("critic/grad_norm", self._step(critic_cfg.grad_clip), 1.0)
         acc.add("timing/comm_critic", self.comm_seconds, 1.0)
         return UpdateResult(acc.result())
 
 
-@reports_load_errors
 class ReferenceWorker(WorkerBase):
     role = "reference"
 
     def __init__(self, cfg_dict: dict, model_path: str | NodePaths, rank: int = 0, world_size: int = 1):
-        super().__init__(cfg_dict, rank, world_size)
-        from ..inputs.models import load_causal_lm
+        try:
+            super().__init__(cfg_dict, rank, world_size)
+            from ..inputs.models import load_causal_lm
 
-        model_path = on_this_node(model_path)
-        self.model = load_causal_lm(model_path, self.cfg.model.dtype, self.cfg.model.trust_remote_code)
-        self.model.to(self.device).eval().requires_grad_(False)
+            model_path = on_this_node(model_path)
+            self.model = load_causal_lm(model_path, self.cfg.model.dtype, self.cfg.model.trust_remote_code)
+            self.model.to(self.device).eval().requires_grad_(False)
+        except TrainerError as exc:
+            self._failed_to_start(exc, rank)
 
     @torch.inference_mode()
     def ref_logprobs(self, batch: Batch) -> torch.Tensor:
@@ -314,7 +298,6 @@ class ReferenceWorker(WorkerBase):
         )
 
 
-@reports_load_errors
 class RewardWorker(WorkerBase):
     role = "reward"
 
@@ -326,22 +309,27 @@ class RewardWorker(WorkerBase):
         world_size: int = 1,
         reward_model_path: str | NodePaths | None = None,
     ):
-        super().__init__(cfg_dict, rank, world_size)
-        from ..inputs.models import load_reward_model, load_tokenizer
-        from ..inputs.rewards import resolve_reward_fn
+        try:
+            super().__init__(cfg_dict, rank, world_size)
+            from ..inputs.models import load_reward_model, load_tokenizer
+            from ..inputs.rewards import resolve_reward_fn
 
-        self.tokenizer = load_tokenizer(on_this_node(model_path), self.cfg.model.trust_remote_code)
-        self.fn = resolve_reward_fn(self.cfg.reward.function)
-        self.reward_model = self.rm_tokenizer = None
-        if reward_model_path is not None:
-            rm_path = on_this_node(reward_model_path)
-            self.reward_model = load_reward_model(rm_path, self.cfg.model.dtype).to(self.device).eval()
-            self.rm_tokenizer = load_tokenizer(rm_path)
-            self.rm_tokenizer.padding_side = "right"
+            self.tokenizer = load_tokenizer(on_this_node(model_path), self.cfg.model.trust_remote_code)
+            self.fn = resolve_reward_fn(self.cfg.reward.function)
+            self.reward_model = None
+            self.rm_tokenizer = None
+            if reward_model_path is not None:
+                rm_path = on_this_node(reward_model_path)
+                self.reward_model = load_reward_model(rm_path, self.cfg.model.dtype).to(self.device).eval()
+                self.rm_tokenizer = load_tokenizer(rm_path)
+                self.rm_tokenizer.padding_side = "right"
+        except TrainerError as exc:
+            self._failed_to_start(exc, rank)
 
     def score(self, completions: list, records: list):
-        """Scores [N] for an engine's `completions` of `records`, one each (from rollout_queue.py), as
-        a numpy array on the wire (batch.to_wire)."""
+        """Scores [N] for an engine's `completions` (rollout.Completion) of `records` (one PromptRecord
+        each), as a numpy array on the wire (batch.to_wire). The rollout queue passes the engine's result
+        straight on (rollout_queue.py)."""
         from ..inputs.rewards import score_responses
 
         responses = [c.token_ids for c in completions]
@@ -365,31 +353,34 @@ class RewardWorker(WorkerBase):
         return torch.cat(out)
 
 
-@reports_load_errors
 class RolloutWorker(WorkerBase):
     role = "rollout"
 
     def __init__(self, cfg_dict: dict, model_path: str | NodePaths, rank: int = 0, world_size: int = 1):
-        super().__init__(cfg_dict, rank, world_size)
-        cfg = self.cfg
-        model_path = self.model_path = on_this_node(model_path)
-        self.done_at: float | None = None  # when the last batch ended (load_weights reports the idle time)
-        if cfg.rollout.engine == "vllm":  # vLLM is imported only where an engine is built
-            from ..rollout.vllm_engine import VLLMEngine
+        try:
+            super().__init__(cfg_dict, rank, world_size)
+            cfg = self.cfg
+            model_path = on_this_node(model_path)
+            self.model_path = model_path
+            self.done_at: float | None = None  # when the last batch ended (load_weights reports the idle time)
+            if cfg.rollout.engine == "vllm":  # vLLM is imported only where an engine is built
+                from ..rollout.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine(model_path, cfg)
-        else:
-            from ..rollout.engines import HFEngine
+                self.engine = VLLMEngine(model_path, cfg)
+            else:
+                from ..rollout.engines import HFEngine
 
-            self.engine = HFEngine.load(model_path, cfg.model.dtype, str(self.device), cfg.model.trust_remote_code)
+                self.engine = HFEngine.load(model_path, cfg.model.dtype, str(self.device), cfg.model.trust_remote_code)
+        except TrainerError as exc:
+            self._failed_to_start(exc, rank)
 
     def generate(self, prompts: list[list[int]], settings) -> list:
         from ..rollout.engines import Completions
 
-        # multi-turn with search.enabled: querying the retriever on this node (multiturn.py)
-        generate = self.turn_loop().run if self.cfg.search.enabled else self.engine.generate
         try:
-            return Completions(generate(prompts, settings))
+            if self.cfg.search.enabled:  # multi-turn, querying the retriever on this node (multiturn.py)
+                return Completions(self.turn_loop().run(prompts, settings))
+            return Completions(self.engine.generate(prompts, settings))
         finally:
             self.done_at = time.perf_counter()  # from here the engine waits for its next call
 
@@ -408,18 +399,16 @@ class RolloutWorker(WorkerBase):
         return self._turn_loop
 
     def load_weights(self, named_tensors: list[tuple[str, object]]) -> dict[str, float]:
-        """Weights from `PolicyWorker.weights` (numpy arrays on the wire, see batch.to_wire). Returns the
-        engine's idle time since its last batch ended, and the load's."""
+        """Weights from `PolicyWorker.weights` (numpy arrays on the wire, see batch.to_wire). Returns
+        how long the engine sat idle since its last batch until they arrived, and the load's time."""
         start = time.perf_counter()
-        idle, self.done_at = (start - self.done_at if self.done_at is not None else 0.0), None
+        idle = start - self.done_at if self.done_at is not None else 0.0
+        self.done_at = None
         self.engine.load_weights((name, from_wire(t)) for name, t in named_tensors)
         return {"idle_s": idle, "load_s": time.perf_counter() - start}
 
     def sleep(self) -> None:
         self.engine.sleep()
-
-    def wake(self) -> None:
-        self.engine.wake()
 
     # Colocated GPUs: wake the weights, receive new ones, and only then reallocate the KV cache.
     def wake_weights(self) -> None:

@@ -27,8 +27,8 @@ Colocated memory order (GPU, sleep mode): after the policy update, `wake_weights
 once the transfer's own buffers are gone. `wake()` does both at once. vLLM resumes scheduling only when
 both are resident.
 
-What the CPU tests show and what only a GPU can: tests/test_vllm_engine.py runs the real CPU engine
-(generation, log-probs, `load_weights`); tests/test_vllm_weight_sync.py checks, against the installed
+What the CPU tests show and what only a GPU can: tests/rollout/test_vllm_engine.py runs the real CPU engine
+(generation, log-probs, `load_weights`); tests/rollout/test_vllm_weight_sync.py checks, against the installed
 vLLM's own classes, every name and argument passed to vLLM here (LLM and EngineArgs fields for both
 branches, SamplingParams, sleep/wake tags, `reload_weights`, the weight-transfer methods) and that the
 IPC payload needs the serialisation switch. Not yet run on a GPU: an engine started with the GPU

@@ -14,7 +14,7 @@ Two paths (docs/vllm.md, "How the weights get to the engines"):
   and with VLLM_ALLOW_INSECURE_SERIALIZATION=1 for IPC, without which the handles cannot reach vLLM's
   engine-core process).
 
-What is tested on CPU (tests/test_vllm_weight_sync.py, contract tests against the installed vLLM):
+What is tested on CPU (tests/rollout/test_vllm_weight_sync.py, contract tests against the installed vLLM):
 `EngineClient` has the methods and parameters of vLLM's `VLLMWeightSyncClient` protocol; the init and
 update payloads that vLLM's trainer-side engines build pass through `EngineClient`, `VLLMEngine` and
 vLLM's own `LLM` methods, the msgpack encoding of `LLM.collective_rpc` and vLLM's engine-side parsing;

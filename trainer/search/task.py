@@ -180,7 +180,7 @@ def warm_up_model(
 
 def rl_overrides(prompts: Path, val: Path, url: str, model: str) -> list[str]:
     """Config overrides (on the local preset) with which PPO learns to search on this task; batch
-    sizes and steps are the caller's. Used by bench/search_r1.py and tests/test_search_task.py."""
+    sizes and steps are the caller's. Used by bench/search_r1.py and tests/search/test_search_task.py."""
     return [
         f"model.path={model}",
         "model.sft_warmup_steps=0",

@@ -3,7 +3,8 @@
 Before anything starts, `resume_point` refuses an empty run_dir (it would be the current directory)
 and one that holds another run's files which this run does not continue. The run's own config.yaml and
 placement.json are written by `record_start` only once every role has started, so a failed start
-leaves the directory as it was. Checkpoints themselves are checkpoint.py's.
+leaves the directory as it was; so is `timeline.json`, the run id this run saves its checkpoints under
+(checkpoint.py decides it before the roles start). Checkpoints themselves are checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 from pathlib import Path
 
 from ..errors import RunDirError
-from .checkpoint import FRESH_START, checkpoint_root, list_checkpoints, resolve_resume
+from .checkpoint import FRESH_START, checkpoint_root, list_checkpoints, resolve_resume, write_timeline
 
 # What a run writes into run_dir besides checkpoints: their presence means another run was here.
 RUN_FILES = ("config.yaml", "placement.json", "metrics.jsonl", "summary.json", "hf_model", "tensorboard")
@@ -55,11 +56,13 @@ def resume_point(run_dir: str, resume: str) -> Path | None:
 
 
 def record_start(cfg, roles) -> None:
-    """Once every role has started: the resolved config as run_dir/config.yaml, and where every worker
-    runs (printed, and saved as run_dir/placement.json). Never earlier, so a failed start leaves
-    run_dir as it was."""
+    """Once every role has started: the resolved config as run_dir/config.yaml, the run's timeline (so a
+    later resume=auto continues this timeline even before its first save), and where every worker runs
+    (printed, and saved as run_dir/placement.json). Never earlier, so a failed start leaves run_dir as
+    it was."""
     run_dir = Path(cfg.trainer.run_dir)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    write_timeline(cfg.trainer.run_dir)
     where = {g.name: g.where() for g in roles.groups()}
     (run_dir / "placement.json").write_text(json.dumps(where, indent=1))
     for name, workers in where.items():

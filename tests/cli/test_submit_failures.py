@@ -1,0 +1,109 @@
+"""A submit whose connection breaks after the job request reached the cluster.
+
+The job exists on the cluster although the client never saw its id come back: `submit` must find it
+and remove it before saying "no job was left behind", or say that it could not confirm. A real
+one-node Ray cluster sits behind a small proxy that forwards everything, except that it drops the
+connection in place of the job-creation reply (and, for the second test, refuses everything after).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import typer.testing
+from cli_helpers import SHORT_RUN, serve
+from cloudrl.cli.app import app
+from runs import local_cluster
+
+pytestmark = pytest.mark.ray
+runner = typer.testing.CliRunner()
+
+
+@pytest.fixture(scope="module")
+def cluster_url() -> Iterator[str]:
+    with local_cluster(nodes=1, cpus_per_node=4, gpus_per_node=0) as state:
+        yield state["dashboard_url"]
+
+
+@contextlib.contextmanager
+def reply_dropping_proxy(upstream: str, refuse_after: bool) -> Iterator[tuple[str, dict]]:
+    """Forwards every request to `upstream`; the first job submission is forwarded too, but its reply is
+    replaced by a closed connection. With refuse_after, every later request is closed unanswered as well,
+    as through a tunnel that died. Yields the proxy's URL and what it saw ("created": upstream's status)."""
+    seen: dict = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def forward(self) -> None:
+            if refuse_after and "created" in seen:
+                return  # closes the connection without a reply
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")}
+            r = requests.request(self.command, f"{upstream}{self.path}", data=body, headers=headers, timeout=60)
+            if self.command == "POST" and self.path.rstrip("/") == "/api/jobs" and "created" not in seen:
+                seen["created"] = r.status_code
+                return
+            self.send_response(r.status_code)
+            self.send_header("Content-Type", r.headers.get("Content-Type", "application/json"))
+            self.send_header("Content-Length", str(len(r.content)))
+            self.end_headers()
+            self.wfile.write(r.content)
+
+        do_GET = do_POST = do_PUT = do_DELETE = forward
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with serve(Handler) as url:
+        yield url, seen
+
+
+def auth() -> dict[str, str]:
+    """The cluster's token as a header (in the environment while `local_cluster` runs)."""
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def job_ids(url: str) -> list[str]:
+    return [job["submission_id"] for job in requests.get(f"{url}/api/jobs/", headers=auth(), timeout=10).json()]
+
+
+def test_job_created_before_the_connection_broke_is_removed(cluster_url: str, tmp_path: Path) -> None:
+    job = "dropped-reply"
+    with reply_dropping_proxy(cluster_url, refuse_after=False) as (proxy, seen):
+        result = runner.invoke(
+            app, ["submit", "--address", proxy, "--name", job, *SHORT_RUN, f"trainer.run_dir={tmp_path / 'run'}"]
+        )
+    assert seen.get("created") == 200  # the cluster did create the job; only its reply was lost
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: submitting to {proxy} failed (ConnectionError); no job was left behind: check the connection "
+        f"and submit again"
+    ]
+    assert job not in job_ids(cluster_url)
+    assert requests.get(f"{cluster_url}/api/jobs/{job}", headers=auth(), timeout=10).status_code == 404
+    listed = runner.invoke(app, ["list", "--address", cluster_url])
+    assert listed.exit_code == 0 and job not in listed.output
+
+
+def test_unreachable_cluster_after_the_drop_is_not_called_clean(cluster_url: str, tmp_path: Path) -> None:
+    job = "dropped-then-gone"
+    try:
+        with reply_dropping_proxy(cluster_url, refuse_after=True) as (proxy, seen):
+            result = runner.invoke(
+                app, ["submit", "--address", proxy, "--name", job, *SHORT_RUN, f"trainer.run_dir={tmp_path / 'run'}"]
+            )
+        assert seen.get("created") == 200
+        assert result.exit_code == 1
+        assert result.stderr.strip().splitlines() == [
+            f"error: submitting to {proxy} failed (ConnectionError), and whether job '{job}' was created could not "
+            f"be confirmed: run `cloudrl list --address {proxy}` and `cloudrl stop {job} --address {proxy}`"
+        ]
+        assert job in job_ids(cluster_url)  # the line was right not to promise anything
+    finally:  # the job this test left on purpose must not run on under later tests
+        runner.invoke(app, ["stop", job, "--address", cluster_url])

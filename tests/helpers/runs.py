@@ -1,0 +1,118 @@
+"""Helpers for tests that run the trainer: short runs of the local preset, a local cluster, its metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A run of the local preset whose reward rises within 20 steps (tests/loop/test_trainer.py).
+REWARD_RISES = {
+    "data.arithmetic_max_operand": 2,
+    "trainer.total_steps": 20,
+    "trainer.val_every": 0,
+    "trainer.save_every": 0,
+    "trainer.loggers": "[jsonl]",
+    "data.train_batch_size": 16,
+    "rollout.n": 8,
+    "actor.mini_batch_size": 32,
+    "actor.micro_batch_size": 32,
+    "critic.mini_batch_size": 32,
+    "critic.micro_batch_size": 32,
+}
+
+
+@contextlib.contextmanager
+def local_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int):
+    """A real Ray cluster of `nodes` nodes on 127.0.0.1, brought up and torn down by `cloudrl local`, with
+    its token in this process's environment meanwhile. Logical GPUs: Ray hands out their ids as on GPU
+    nodes; nothing runs CUDA. Yields its state."""
+    from cloudrl.cli import local_cluster as cluster
+
+    os.environ["CLOUDRL_LOCAL_DASHBOARD_PORT"] = "0"
+    state = cluster.up(nodes=nodes, cpus_per_node=cpus_per_node, gpus_per_node=gpus_per_node, echo=lambda line: None)
+    # The cluster requires its token: drivers, trainers and CLI calls started inside the block send it.
+    auth = cluster.auth_env(state)
+    saved = {k: os.environ.get(k) for k in auth}
+    os.environ.update(auth)
+    try:
+        yield state
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        cluster.down(echo=lambda line: None)
+        os.environ.pop("CLOUDRL_LOCAL_DASHBOARD_PORT", None)
+
+
+def run_trainer(*args: str, env: dict | None = None, timeout: float = 300):
+    """`python -m cloudrl.trainer ARGS` in a subprocess; returns the CompletedProcess."""
+    import subprocess
+
+    full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # The Ray it starts is a private one: no token auth, even where ~/.ray/auth_token exists (Ray would
+    # turn it on and warn on stderr, whichever test ran first).
+    full_env.setdefault("RAY_AUTH_MODE", "disabled")
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "cloudrl.trainer", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def tiny_overrides(run_dir: Path, **extra) -> list[str]:
+    """A short, fast run of the local preset."""
+    values = {
+        "trainer.run_dir": str(run_dir),
+        "trainer.total_steps": 2,
+        "trainer.val_every": 0,
+        "model.sft_warmup_steps": 20,
+        "trainer.loggers": "[jsonl]",
+        "data.train_batch_size": 8,
+        "rollout.n": 2,
+        "actor.mini_batch_size": 16,
+        "actor.micro_batch_size": 8,
+        "critic.mini_batch_size": 16,
+        "critic.micro_batch_size": 8,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+@contextlib.contextmanager
+def serving_retriever(corpus: Path, index_dir: Path, topk: int = 3):
+    """trainer/search/retriever_server.py's BM25 index of `corpus`, served on 127.0.0.1 in a thread; yields its
+    /retrieve URL and stops the server on exit."""
+    import threading
+
+    from cloudrl.trainer.search.retriever_server import RetrieverServer, build_index, load_index
+
+    build_index(corpus, index_dir)
+    server = RetrieverServer(("127.0.0.1", 0), load_index(index_dir), topk=topk)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/retrieve"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    """Every row of run_dir/metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_metrics(run_dir: Path) -> list[dict]:
+    """The training steps' rows of run_dir/metrics.jsonl (step 0 and validation-only rows left out)."""
+    rows = metric_rows(run_dir)
+    return [r for r in rows if r.get("step", 0) > 0 and "rollout/reward_mean" in r]
