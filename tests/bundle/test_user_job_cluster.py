@@ -92,7 +92,7 @@ def test_readme_walk_runs_the_users_reward_and_data_on_both_nodes(cluster, user_
     assert any(abs(r * 64 - round(r * 64)) > 1e-3 for r in rewards), rewards
     # The run's relative run_dir landed on the head's volume, not in the job's temporary working dir.
     volume = cluster.node_path(0, cluster.volume) if cluster.kind == "netns" else Path(cluster.volume)
-    metrics = volume / "runs" / "local" / "metrics.jsonl"
+    metrics = volume / "runs" / "my-job" / "metrics.jsonl"  # its own run directory (my-job.yaml)
     logged = [json.loads(line)["rollout/reward_mean"] for line in metrics.read_text().splitlines()]
     assert logged == pytest.approx(rewards, rel=1e-3)
 

@@ -19,24 +19,36 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def s3_server() -> Iterator[str]:
-    """moto's S3 server on 127.0.0.1 in a subprocess; yields its URL and stops it on exit."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+    """moto's S3 server on 127.0.0.1 in a subprocess; yields its URL and stops it on exit. A port taken
+    between choosing it and moto binding it (Ray's workers bind ports too) is retried with another."""
+    for _attempt in range(3):
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        url = f"http://127.0.0.1:{port}"
+        if _answers_as_moto(url, proc):
+            break
+        proc.terminate()
+        proc.wait(timeout=30)
+    else:
+        raise AssertionError("moto's S3 server did not start on 3 ports")
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=2)
-                break
-            except OSError:
-                assert time.time() < deadline and proc.poll() is None, "moto server did not start"
-                time.sleep(0.2)
         yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _answers_as_moto(url: str, proc: subprocess.Popen) -> bool:
+    """True once moto itself answers at url (within 60 s); False if it exited, so another process holds it."""
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return proc.poll() is None and "ListAllMyBucketsResult" in response.read().decode(errors="replace")
+        except OSError:
+            time.sleep(0.2)
+    return False

@@ -63,5 +63,12 @@ def test_the_colocated_ipc_push_is_packed(monkeypatch):
         return object()
 
     monkeypatch.setattr(IPCTrainerWeightTransferEngine, "trainer_init", staticmethod(trainer_init))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU rank
+    monkeypatch.setattr(weight_sync, "send_device", lambda: None)  # no CUDA device to name here
     weight_sync.WeightSyncGroup(_Policy(), [], rank=0, tensor_parallel_size=1, backend="ipc")
     assert seen["info"].packed is True and seen["info"].rank == 0
+    # The CPU rehearsal sends unpacked: vLLM's packed producer needs CUDA streams
+    # (tests/rollout/test_vllm_weight_sync.py runs that push end to end on CPU).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    weight_sync.WeightSyncGroup(_Policy(), [], rank=0, tensor_parallel_size=1, backend="ipc")
+    assert seen["info"].packed is False

@@ -253,11 +253,14 @@ class WeightSyncGroup:
             )
             self.transfer = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
         elif backend == "ipc":
+            import torch
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
+            # Packed: one bounded buffer (1 GiB) at a time instead of a full copy of the model per rank.
+            # vLLM's packed producer runs on CUDA streams, so the CPU rehearsal (shared-memory handles
+            # standing in for CUDA IPC) sends unpacked.
             self.transfer = IPCTrainerWeightTransferEngine.trainer_init(
-                # packed: one bounded buffer (1 GiB) at a time, not a full copy of the model per rank
-                IPCTrainerInitInfo(rank=rank, packed=True),
+                IPCTrainerInitInfo(rank=rank, packed=torch.cuda.is_available()),
                 client=client,
                 source=source,
             )
