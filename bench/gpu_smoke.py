@@ -247,8 +247,7 @@ def main(argv=None) -> int:
     cfg = load_config("local", overrides)
 
     worker = PolicyWorker(cfg.to_dict(), model_path, rank=rank, world_size=world, with_reference=True)
-    params = sum(t.numel() for t in worker.model.parameters())
-    initial = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
+    params = sum(t.numel() for t in worker.model.parameters())  # known on the meta device too
     if args.fsdp_on_cpu and not cuda:  # the worker shards a lone CPU rank only when asked here
         worker.sharded = True
     worker.start_training("127.0.0.1", args.port or free_port())  # NCCL (CUDA) or gloo group, FSDP2, AdamW
@@ -260,6 +259,8 @@ def main(argv=None) -> int:
     start_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    initial = worker.get_state()  # a collective under FSDP; only rank 0 receives the weights
+    initial = initial["model"] if initial is not None else {}
 
     steps = []
     for step in range(1, args.steps + 1):

@@ -3,7 +3,7 @@
 Commands stay thin: parse, call one function of their module, print. Expected failures are
 TrainerErrors (CloudrlError, ClusterUnreachable, the trainer's config errors); the command group
 (`typer_compat.OneLineErrors`) prints them as one red line on stderr and exits 1 (CLOUDRL_DEBUG=1 shows
-the traceback instead). Usage errors (an unknown option, a missing argument, a value click cannot
+the CLI's own traceback instead; a job's traceback is in its log when it ran with `--env CLOUDRL_DEBUG`). Usage errors (an unknown option, a missing argument, a value click cannot
 parse) are one red line too, naming the command's --help, with click's exit status 2. Ray and dstack
 are imported inside the modules' functions, so `cloudrl --help` stays fast.
 """
@@ -32,6 +32,28 @@ local_app = typer.Typer(
     help="A Ray cluster on this machine (127.0.0.1), for the whole flow without a cloud.",
 )
 app.add_typer(local_app, name="local")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"cloudrl {version('cloudrl')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            typer.echo("cloudrl (not installed: no version; pip install -e . gives it one)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print cloudrl's version and exit."),
+    ] = False,
+) -> None:
+    """Run cloudrl's PPO trainer on a Ray cluster (dstack, Slurm, or this machine) and watch it."""
+
 
 AddressOpt = Annotated[
     str | None,
@@ -275,10 +297,17 @@ def status(
     typer.echo(status_text(_client(address, local, insecure_http), job))
 
 
-@app.command(epilog="Examples: cloudrl logs local-20250101-120000-a1b2 --follow; cloudrl logs --node 1")
+@app.command(
+    epilog="Examples: cloudrl logs --follow; cloudrl logs local-20250101-120000-a1b2; cloudrl logs JOB --node 1"
+)
 def logs(
     job: Annotated[
-        str | None, typer.Argument(help="The job id `cloudrl submit` printed (see `cloudrl list`).", show_default=False)
+        str | None,
+        typer.Argument(
+            help="Job id (see `cloudrl list`); default: the latest job on the cluster. With --node: only this "
+            "job's worker logs.",
+            show_default=False,
+        ),
     ] = None,
     follow: Annotated[
         bool,
@@ -290,8 +319,8 @@ def logs(
             "--node",
             metavar="N",
             show_default=False,
-            help="Instead of a job's logs: one node's Ray worker logs. N: 0 = the head, then by IP; "
-            "or an IP or node id.",
+            help="Instead of a job's driver log: one node's Ray worker logs (of every job, or of JOB when given). "
+            "N: 0 = the head, then by IP; or an IP or node id.",
         ),
     ] = None,
     lines: Annotated[int, typer.Option("--lines", help="With --node: the last lines of each file.")] = 50,
@@ -301,14 +330,18 @@ def logs(
     insecure_http: InsecureOpt = False,
 ) -> None:
     """Print a job's logs (its driver's stdout and stderr), or with --node one node's worker logs."""
-    from .jobs import job_logs, safe_text
+    from .jobs import job_logs, job_name, latest_job, safe_text
     from .node_logs import job_or_node, node_logs_text
 
     job_or_node(job, node, follow)
     client = _client(address, local, insecure_http)
     if node is not None:
-        typer.echo(node_logs_text(client, node, lines, glob), nl=False)
-    elif follow:
+        typer.echo(node_logs_text(client, node, lines, glob, job), nl=False)
+        return
+    if job is None:  # like `cloudrl status`: the latest job, named on stderr so the log itself stays clean
+        job = job_name(latest_job(client))
+        typer.echo(f"# logs of {job}, the latest job on {client.address.url}", err=True)
+    if follow:
         _follow(client, job)
     else:
         typer.echo(safe_text(job_logs(client, job)), nl=False)

@@ -43,7 +43,7 @@ def task_and_fleet_problems(rel: str, data: dict, path: Path, root: Path) -> lis
     if data.get("type") == "task":
         problems += _image_problems(rel, data) + _files_vs_commands(rel, data)
         if _runs_bootstrap(data, path):
-            problems += _dashboard_port_problems(rel, data) + _auth_problems(rel, data)
+            problems += _dashboard_port_problems(rel, data) + _auth_problems(rel, data) + _exposure_warnings(rel, data)
         for local in _shipped(data):
             if local and (path.parent / local).is_file() and local.endswith(".sh"):
                 problems += script_problems(path.parent / local, root)
@@ -245,6 +245,68 @@ def _auth_problems(rel: str, data: dict) -> list[Problem]:
             "to env; `- CLOUDRL_RAY_AUTH=off` runs without it on a trusted network",
         )
     ]
+
+
+TOKEN_MIN_BITS = 128
+
+
+def token_bits(token: str) -> float:
+    """About how many random bits a token can hold: 4 per hex character, 6 per character otherwise (the
+    most a base64 character carries), so that `changeme` or `test` never pass for strong."""
+    token = token.strip()
+    return len(token) * (4 if re.fullmatch(r"[0-9a-fA-F]+", token) else 6)
+
+
+def _exposure_warnings(rel: str, data: dict) -> list[Problem]:
+    """Warnings (not failures) for switches that open the cluster wider: token auth off, a debugger on
+    (its ports take no token), a cluster token too short to resist guessing."""
+    import os
+
+    env = {name: value for _, name, value in _env_items(data)}
+    for name in ("CLOUDRL_RAY_AUTH", "CLOUDRL_DEBUGGER"):  # passed by name: read from this shell at apply
+        if name in env and env[name] is None:
+            env[name] = os.environ.get(name)
+    warnings = []
+    if str(env.get("CLOUDRL_RAY_AUTH") or "").lower() == "off":
+        warnings.append(
+            Problem(
+                rel,
+                "env.CLOUDRL_RAY_AUTH",
+                "is off: anyone who reaches the cluster's Ray ports can run code on every node",
+                "pass `- RAY_AUTH_TOKEN` instead (export RAY_AUTH_TOKEN=$(openssl rand -hex 32)), or keep the "
+                "network private (docs/cluster.md, threat model)",
+                warning=True,
+            )
+        )
+    if env.get("CLOUDRL_DEBUGGER"):
+        warnings.append(
+            Problem(
+                rel,
+                "env.CLOUDRL_DEBUGGER",
+                f"turns on Ray's debugger ({env['CLOUDRL_DEBUGGER']}): a paused worker listens for a debugger "
+                f"that takes no token, and attaching runs code",
+                "pass CLOUDRL_DEBUGGER only while debugging (`dstack apply -e CLOUDRL_DEBUGGER=...`), and attach "
+                "through SSH (docs/debugging.md)",
+                warning=True,
+            )
+        )
+    if "RAY_AUTH_TOKEN" in env:
+        token = env["RAY_AUTH_TOKEN"]
+        source = "the file"
+        if token is None:  # passed by name: dstack reads it from this shell at `dstack apply`
+            token, source = os.environ.get("RAY_AUTH_TOKEN"), "your shell"
+        if token and "${{" not in token and token_bits(token) < TOKEN_MIN_BITS:
+            warnings.append(
+                Problem(
+                    rel,
+                    "env.RAY_AUTH_TOKEN",
+                    f"the token in {source} holds at most {token_bits(token):.0f} random bits, fewer than "
+                    f"{TOKEN_MIN_BITS}: it can be guessed",
+                    "make one with `export RAY_AUTH_TOKEN=$(openssl rand -hex 32)`",
+                    warning=True,
+                )
+            )
+    return warnings
 
 
 def _files_vs_commands(rel: str, data: dict) -> list[Problem]:

@@ -33,6 +33,10 @@ STATUS_POLL_S = 3.0
 # After Ray reports the job ended, give the log stream this long to deliver its last lines.
 END_GRACE_S = 10.0
 STOP_WAIT_S = 30.0
+TRAINER_DEBUG_HINT = "CLOUDRL_DEBUG=1 shows the traceback"
+"""What the trainer's one-line errors say about tracebacks: true where the trainer runs in this shell."""
+JOB_DEBUG_HINT = "for the job's traceback submit it again with `CLOUDRL_DEBUG=1 cloudrl submit --env CLOUDRL_DEBUG ...`"
+"""The same for a job: CLOUDRL_DEBUG must reach the job's processes, which only --env does."""
 
 
 class Detached(Exception):
@@ -158,7 +162,7 @@ def status_text(client: ClusterClient, job_id: str | None) -> str:
     if not info.status.is_terminal():
         lines.append(f"follow:    cloudrl logs {name} --follow{client.address.flag}")
     elif info.status == "FAILED":  # last, the job's own one-line reason
-        lines.append(f"error:     {failure_reason(info, logs or '').removeprefix('error: ')}")
+        lines.append(f"error:     {job_debug_hint(failure_reason(info, logs or '')).removeprefix('error: ')}")
     return safe_text("\n".join(lines))
 
 
@@ -216,7 +220,16 @@ def follow(client: ClusterClient, job_id: str, out: Callable[[str], Any] | None 
             f"follow it again with `cloudrl logs {job_id} --follow{client.address.flag}`"
         )
     reason = failure_reason(info, job_logs(client, job_id))
-    raise CloudrlError(f"job {job_id} {info.status}: {reason} (full logs: cloudrl logs {job_id}{client.address.flag})")
+    logs = f"full logs: cloudrl logs {job_id}{client.address.flag}"
+    if reason.startswith("error:"):  # the trainer's own line, without its traceback: say how to get one
+        reason = job_debug_hint(reason)
+        logs += f"; {JOB_DEBUG_HINT}" if JOB_DEBUG_HINT not in reason else ""
+    raise CloudrlError(f"job {job_id} {info.status}: {reason} ({logs})")
+
+
+def job_debug_hint(reason: str) -> str:
+    """A trainer's error line as it reads for a submitted job: its traceback hint made true for a job."""
+    return reason.replace(TRAINER_DEBUG_HINT, JOB_DEBUG_HINT)
 
 
 def failure_reason(info: Any, logs: str) -> str:

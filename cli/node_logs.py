@@ -4,12 +4,14 @@ The user's machine reaches only the dashboard, and the dashboard reaches every n
 through that node's Ray agent: `/api/v0/nodes` lists the nodes, `/api/v0/logs?node_id=..&glob=..`
 a node's log files, `/api/v0/logs/file?node_id=..&filename=..&lines=..` the last lines of one.
 N is the node's index (0 = the head, then the others by IP address), its IP address, or (a prefix
-of) its Ray node id.
+of) its Ray node id. With a job id (`cloudrl logs JOB --node N`) only that job's worker files are
+shown: Ray names them worker-<worker id>-<job id>-<pid>.out/.err, after the Ray job id of the job's driver.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 import urllib.parse
 from typing import Any
 
@@ -19,6 +21,8 @@ from .jobs import safe_text
 DEFAULT_GLOB = "worker-*"
 """Ray's per-process stdout/stderr files (worker-<id>-<job>-<pid>.out/.err): what tasks and actors print."""
 READ_TIMEOUT_S = 20.0
+WORKER_FILE_RE = re.compile(r"worker-[0-9a-f]+-(?P<job>[0-9a-f]+)-\d+\.(?:out|err)$")
+"""Ray's name for a worker's log file (the dashboard's log manager parses it the same way)."""
 
 
 def _ip_key(ip: str) -> tuple[int, Any]:
@@ -68,24 +72,23 @@ def pick_node(nodes: list[dict[str, Any]], wanted: str, url: str) -> tuple[int, 
 
 
 def job_or_node(job: str | None, node: str | None, follow: bool) -> None:
-    """`cloudrl logs` takes a job id or --node, not both; --follow only with a job. Usage errors (exit 2)."""
+    """`cloudrl logs --node` shows files as they are, so it does not --follow. A usage error (exit 2)."""
     import typer
 
-    if node is None and job is None:
+    if node is not None and follow:
         raise typer.BadParameter(
-            "missing argument: pass a job id (`cloudrl list` shows them), or --node N for one node's worker logs",
-            param_hint="'JOB'",
-        )
-    if node is not None and (job is not None or follow):
-        raise typer.BadParameter(
-            "--node shows one node's worker logs, not a job's: drop the job id and --follow", param_hint="'--node'"
+            "--node shows the last lines of one node's worker logs and does not follow them: drop --follow "
+            "(`cloudrl logs JOB --follow` streams a job's driver log)",
+            param_hint="'--node'",
         )
 
 
-def node_logs_text(client: Any, node: str, lines: int = 50, glob: str = DEFAULT_GLOB) -> str:
-    """The last `lines` lines of each of the node's log files matching `glob`, each under a header."""
+def node_logs_text(client: Any, node: str, lines: int = 50, glob: str = DEFAULT_GLOB, job: str | None = None) -> str:
+    """The last `lines` lines of each of the node's log files matching `glob`, each under a header;
+    with `job` (a submission id), only that job's worker files."""
     if lines < 1:
         raise CloudrlError(f"--lines {lines} is not a line count: use 1 or more")
+    ray_job = _ray_job_id(client, job) if job else None
     nodes = alive_nodes(client)
     index, picked = pick_node(nodes, node, client.address.url)
     node_id, ip = picked["node_id"], picked.get("node_ip")
@@ -97,7 +100,14 @@ def node_logs_text(client: Any, node: str, lines: int = 50, glob: str = DEFAULT_
             f"{listing.get('msg') or 'no details'}"
         )
     files = sorted({f for group in (listing.get("data", {}).get("result") or {}).values() for f in group})
-    head = f"# node {index} ({ip}, id {node_id[:8]}): {len(files)} file(s) matching {glob!r}, last {lines} lines each"
+    of_job = ""
+    if ray_job:
+        files = [f for f in files if (m := WORKER_FILE_RE.search(f)) and m["job"] == ray_job]
+        of_job = f" of job {job} (Ray job {ray_job})"
+    head = (
+        f"# node {index} ({ip}, id {node_id[:8]}): {len(files)} file(s){of_job} matching {glob!r}, "
+        f"last {lines} lines each"
+    )
     if not files:
         return head + "\n"
     parts = [head]
@@ -107,3 +117,16 @@ def node_logs_text(client: Any, node: str, lines: int = 50, glob: str = DEFAULT_
         text = response.text if response.status_code == 200 else f"(unreadable: HTTP {response.status_code})\n"
         parts.append(f"==> {name} <==\n{text.rstrip()}")
     return safe_text("\n".join(parts) + "\n")
+
+
+def _ray_job_id(client: Any, job: str) -> str:
+    """The Ray job id (hex) of submitted job `job`: what its workers' log file names carry."""
+    from .jobs import job_info
+
+    info = job_info(client, job)
+    if not info.job_id:
+        raise CloudrlError(
+            f"job {job} has no Ray job id yet ({info.status}): its driver has not started, so no worker "
+            f"has logged for it; try again once `cloudrl status {job}{client.address.flag}` shows it RUNNING"
+        )
+    return str(info.job_id).lower()

@@ -8,7 +8,9 @@ in the config means on the cluster what it meant here. The upload's layout:
 - one outside it goes to `_external/<n>/<name>`, and the config is rewritten to point there;
 - `--workdir DIR` puts DIR's whole tree at the top (your package: importable by the driver and workers).
 
-Named by the config: `reward.function=FILE.py:fn` (or `module:fn` where `module.py` / `module/` is here),
+Named by the config: `reward.function=FILE.py:fn` (or `module:fn` where `module.py` / `module/` is here)
+with the modules it imports from beside it (`from helpers import x` with helpers.py in the same directory,
+or in the current one; each shipped module's own such imports too),
 the local entries of `data.train_files` / `data.val_files` (files, or `hf:` directories saved with
 `save_to_disk`), and local model directories (`model.path`, `critic.model_path`, `reward.model_path`). A
 relative path that does not exist here is an error; an absolute one is taken as a path on the cluster
@@ -142,14 +144,16 @@ class _External:
     def __init__(self, upload: Upload, cwd: Path):
         self.upload, self.cwd, self.count = upload, cwd.resolve(), 0
 
-    def add(self, path: Path) -> str:
-        """Ship `path` (file or directory); returns the path the config should use on the cluster."""
+    def add(self, path: Path, dest: str | None = None) -> str:
+        """Ship `path` (file or directory) at `dest` (default: its cwd-relative path, or a new
+        _external/<n>/ directory); returns the path the config should use on the cluster."""
         real = path.resolve()
-        try:
-            dest = real.relative_to(self.cwd).as_posix()
-        except ValueError:
-            self.count += 1
-            dest = f"_external/{self.count}/{real.name}"
+        if dest is None:
+            try:
+                dest = real.relative_to(self.cwd).as_posix()
+            except ValueError:
+                self.count += 1
+                dest = f"_external/{self.count}/{real.name}"
         if real.is_dir():
             excluded: list[tuple[str, str]] = []
             for inner, src in walk(real, excluded).items():
@@ -192,13 +196,65 @@ def _reward(cfg: Any, cwd: Path, external: _External) -> None:
         dest = external.add(local)
         if dest != location:
             external.upload.rewrites["reward.function"] = f"{dest}:{fn}"
+        _imported_beside(local, dest.rpartition("/")[0], cwd, external)
         return
     # module:fn — ship the top-level module if it is a file or package here; else it is installed.
     top = location.split(".")[0]
     for candidate in (cwd / f"{top}.py", cwd / top):
         if candidate.is_file() or (candidate / "__init__.py").is_file():
-            external.add(candidate)
+            dest = external.add(candidate)
+            _imported_beside(candidate, dest.rpartition("/")[0], cwd, external)
             return
+
+
+def _imported_beside(source: Path, folder: str, cwd: Path, external: _External) -> None:
+    """Ship the modules `source` (a .py file or a package directory, shipped into upload folder `folder`)
+    imports from beside it, into the same folder, and from the current directory, at the top; then what
+    those import, in turn. On the cluster the reward file's directory is on sys.path while it loads (as
+    for `python file.py`) and the job's working directory always is, so both import as they do here."""
+    seen = {source.resolve()}
+    todo = [source]
+    while todo:
+        path = todo.pop()
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            for name in _top_level_imports(file):
+                for base, dest_dir in ((source.parent, folder), (cwd, "")):
+                    found = _module_at(base, name)
+                    if found is None:
+                        continue
+                    if found.resolve() not in seen:
+                        seen.add(found.resolve())
+                        dest = f"{dest_dir}/{found.name}" if dest_dir else found.name
+                        external.add(found, dest)
+                        todo.append(found)
+                    break
+
+
+def _module_at(folder: Path, name: str) -> Path | None:
+    """Module `name` as `folder` holds it: name.py, or a package directory name/ with __init__.py."""
+    if (folder / f"{name}.py").is_file():
+        return folder / f"{name}.py"
+    if (folder / name / "__init__.py").is_file():
+        return folder / name
+    return None
+
+
+def _top_level_imports(file: Path) -> list[str]:
+    """The top-level names of the absolute imports in a Python file (`import a.b`, `from a import b`:
+    `a`), anywhere in it; none when the file does not parse (loading it on the cluster will say why)."""
+    import ast
+
+    try:
+        tree = ast.parse(file.read_text(errors="replace"), str(file))
+    except (SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module.split(".")[0])
+    return list(dict.fromkeys(names))
 
 
 def _data_entry(key: str, entry: str, cwd: Path, external: _External) -> str:

@@ -181,10 +181,17 @@ def preflight(client: ClusterClient, cfg: Any) -> str:
     version = client.check_version()
     nodes = client.alive_nodes()
     try:
-        check_fits(plan(cfg), nodes)
+        check_fits(plan(cfg), nodes, local=is_local_cluster(client.address))
     except ConfigError as exc:
         raise CloudrlError(f"{exc} (cluster at {client.address.url})") from None
     return f"cluster ok: Ray {version}, {describe_cluster(nodes)}"
+
+
+def is_local_cluster(address: Address) -> bool:
+    """The address is the cluster `cloudrl local up` started (by --local, or by its URL)."""
+    from .local_state import running_dashboard_url
+
+    return address.source == "local" or address.url == running_dashboard_url()
 
 
 def dry_run_text(cfg: Any, req: JobRequest, address: Address, zipped_bytes: int | None) -> str:

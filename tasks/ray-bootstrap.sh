@@ -112,9 +112,12 @@ report_phase started
 # CLOUDRL_DEBUGGER (docs/debugging.md), set on every node, reaches every Ray worker process:
 #   post-mortem  Ray's distributed debugger: debugpy installed; a breakpoint() in a task or actor, or an
 #                uncaught exception (RAY_DEBUG_POST_MORTEM=1), pauses it until VS Code's "Ray
-#                Distributed Debugger" attaches. debugpy listens on the node's cluster address, not 0.0.0.0.
-#   legacy       Ray's pdb for `ray debug` (RAY_DEBUG=legacy), listening on the node's cluster address
-#                (--ray-debugger-external) so `ray debug` on the head reaches breakpoints on every node.
+#                Distributed Debugger" attaches. Ray 2.60 has debugpy listen on the node's cluster address
+#                (never 0.0.0.0), without a token: only the cluster's private network guards it.
+#   legacy       Ray's pdb for `ray debug` (RAY_DEBUG=legacy), listening on 127.0.0.1 of the paused worker's
+#                node: `ray debug` runs on that node (an SSH hop through the head). Never
+#                --ray-debugger-external, which would open the pdb, code execution, on every interface.
+# Either takes no token, so every node says so in its log.
 case "${CLOUDRL_DEBUGGER:-}" in
     "") ;;
     post-mortem)
@@ -122,12 +125,14 @@ case "${CLOUDRL_DEBUGGER:-}" in
         TRAINER_PACKAGES+=" debugpy=debugpy>=1.8.0"
         ;;
     legacy)
-        export RAY_DEBUG=legacy
-        unset RAY_DEBUG_POST_MORTEM
-        CLOUDRL_RAY_START_ARGS="${CLOUDRL_RAY_START_ARGS:-} --ray-debugger-external"
+        export RAY_DEBUG=legacy REMOTE_PDB_HOST=127.0.0.1
+        unset RAY_DEBUG_POST_MORTEM RAY_DEBUGGER_EXTERNAL
         ;;
     *) die "CLOUDRL_DEBUGGER=$CLOUDRL_DEBUGGER is not a debugger: use post-mortem or legacy, or leave it unset." ;;
 esac
+[[ -z "${CLOUDRL_DEBUGGER:-}" ]] ||
+    log "warning: CLOUDRL_DEBUGGER=$CLOUDRL_DEBUGGER: a paused worker waits for a debugger that takes no token" \
+        "(docs/debugging.md); restart the cluster without it when done"
 # CLOUDRL_RAY_RESOURCES: custom Ray resources for role pinning (`<role>.resources` in the job's config;
 # docs/slurm.md), for every node or per node by rank or host name. Checked before anything is installed.
 if [[ -n "${CLOUDRL_RAY_RESOURCES:-}" ]]; then

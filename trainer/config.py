@@ -83,6 +83,9 @@ class DataConfig:
     """Prompts per PPO step (each is sampled `rollout.n` times)."""
     val_batch_size: int = 64
     """Prompts per validation pass."""
+    val_sets: dict[str, str] = field(default_factory=dict)
+    """More validation sets, name -> files (as in data.val_files), e.g. {easy: easy.jsonl}; each is
+    reported as val/<name>/..., beside data.val_files' set as val/...."""
     shuffle: bool = True
     """Shuffle prompts every epoch (seeded, so a resumed run sees the same order)."""
     arithmetic_max_operand: int = 4
@@ -164,15 +167,29 @@ class AlgorithmConfig:
     kl_coef: float = 0.001
     """KL weight against the reference policy (0 = no reference model is loaded)."""
     kl_mode: KlMode = "reward"
-    """Where KL enters: `reward` (token-level penalty) or `loss` (a loss term)."""
+    """Where KL enters: `reward` (token-level penalty) or `loss` (a loss term). Unless set, `loss` for grpo
+    and reinforce_pp_baseline (their std scaling would blow KL noise in the scores up), `reward` for the others."""
     kl_estimator: KlEstimator = "k1"
-    """KL estimator (see ppo_math.kl_estimate)."""
+    """KL estimator (see ppo_math.kl_estimate). Unless set, k3 with kl_mode=loss (as GRPO), k1 with kl_mode=reward."""
     kl_target: float = 0.0
     """> 0 turns on the adaptive KL controller with this target."""
     kl_horizon: int = 10000
     """Adaptive KL controller horizon."""
     grpo_norm_by_std: bool = True
     """GRPO: divide by the group's standard deviation."""
+    mask_truncated: bool = False
+    """Leave responses cut off at the length limit (finish_reason `length`) out of the loss (DAPO's overlong filtering)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: a score penalty growing linearly over this many tokens before the
+    response length limit (rollout.max_new_tokens; search.max_response_tokens with search). 0 = off."""
+    overlong_penalty: float = 1.0
+    """The overlong penalty at the length limit (it ramps from 0 to minus this)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (group algorithms): drop prompts whose samples all score the same and
+    sample more prompts until data.train_batch_size prompts remain whose samples differ."""
+    max_sampling_rounds: int = 8
+    """Dynamic sampling: generation rounds per step at most; then the step trains on the groups it kept
+    (topped up with equal-score groups, rollout/filled_uniform), or the run ends when no round kept any."""
 
 
 @dataclass
@@ -229,6 +246,14 @@ class ActorConfig(TrainedRoleConfig):
     """Dual-clip bound c > 1 for negative advantages (0 = off)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """Policy objective: ppo (token ratio, clipped), gspo (sequence ratio, clipped; use a tiny clip range like
+    3e-4/4e-4), cispo (clipped, detached ratio times log-prob); clip_low/clip_high bound each one's ratio."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How per-token losses add up: mean over tokens, mean over responses of their token mean or token sum, or
+    Dr. GRPO's token sum over a constant (the response length limit); each over the whole mini-batch."""
 
 
 @dataclass
@@ -259,6 +284,9 @@ class RewardConfig(RoleConfig):
     """Sequences per reward-model forward pass."""
     in_driver: bool = False
     """Score rule-based rewards in the driver process: no reward workers (not with a reward model)."""
+    timeout_s: float = 60.0
+    """Longest one call of the reward function (one engine's part of a batch) may take; a call still
+    running then stops the run with a line naming the function (0 = no limit)."""
 
 
 @dataclass
@@ -292,6 +320,14 @@ class TrainerConfig:
     """`auto` (latest checkpoint in run_dir if any), `never`, or a checkpoint directory."""
     val_every: int = 0
     """Validate every N steps with greedy decoding (0 = only before and after training)."""
+    val_n: int = 1
+    """Samples per validation prompt besides the greedy one: > 1 also reports mean@n and pass@k
+    (k = 1, 2, 4, ... up to n) at trainer.val_temperature; 1 = greedy only."""
+    val_temperature: float = 1.0
+    """Sampling temperature of the trainer.val_n validation samples."""
+    eval_only: bool = False
+    """Score the model on the validation sets without training: the checkpoint trainer.resume picks
+    (auto: run_dir's latest) or, without one, model.path; prints a table and writes run_dir/eval.json."""
     loggers: list[Logger] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     """Metric sinks (wandb reads its key from WANDB_API_KEY)."""
     wandb_project: str = ""
@@ -389,18 +425,28 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
-def describe_keys() -> str:
-    """Every key with its default and one-line doc: what `--help-config` prints."""
+def describe_keys(cfg: Config | None = None) -> str:
+    """Every key with its value in `cfg` (a loaded preset; default: the code's defaults) and one-line doc:
+    what `--help-config` prints. A value the preset changed also names the code's default; a numeric key
+    names the values it takes."""
+    from .config_checks import RANGES
+
+    cfg = cfg or Config()
     lines = []
     for section in dataclasses.fields(Config):
-        obj = getattr(Config(), section.name)
+        obj = getattr(cfg, section.name)
+        default = getattr(Config(), section.name)
         lines.append(f"{section.name}:")
         docs = _field_docs(type(obj))
         hints = typing.get_type_hints(type(obj))
         for f in dataclasses.fields(obj):
             allowed = choices(hints[f.name])
             doc = docs.get(f.name, "") + (f" One of: {', '.join(allowed)}." if allowed else "")
-            lines.append(f"  {section.name}.{f.name} = {getattr(obj, f.name)!r}  # {doc}")
+            rule = RANGES.get(f"{section.name}.{f.name}")
+            doc += f" Range: {rule.describe()}." if rule is not None and rule.describe() else ""
+            value, was = getattr(obj, f.name), getattr(default, f.name)
+            changed = f"  (default {was!r})" if value != was else ""
+            lines.append(f"  {section.name}.{f.name} = {value!r}{changed}  # {doc}")
     return "\n".join(lines)
 
 

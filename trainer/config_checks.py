@@ -203,6 +203,9 @@ RANGES: dict[str, Range] = {
     "algorithm.kl_coef": NON_NEGATIVE,
     "algorithm.kl_target": NON_NEGATIVE,
     "algorithm.kl_horizon": COUNT,
+    "algorithm.overlong_buffer": Range(0, hint="0 turns the overlong penalty off"),
+    "algorithm.overlong_penalty": NON_NEGATIVE,
+    "algorithm.max_sampling_rounds": COUNT,
     **{f"{role}.{name}": rule for role in ROLES for name, rule in _ROLE_RANGES.items()},
     **{f"{role}.{name}": rule for role in TRAINED_ROLES for name, rule in _TRAINED_RANGES.items()},
     "actor.clip_low": Range(
@@ -215,12 +218,15 @@ RANGES: dict[str, Range] = {
     "reference.micro_batch_size": COUNT,
     "reward.model_weight": Range(),
     "reward.micro_batch_size": COUNT,
+    "reward.timeout_s": NON_NEGATIVE,
     "placement.timeout_s": POSITIVE,
     "trainer.total_steps": COUNT,
     "trainer.seed": Range(0, 2**32 - 1),  # vLLM seeds numpy with it, which takes 0..2**32-1
     "trainer.save_every": NON_NEGATIVE,
     "trainer.keep_last": COUNT,
     "trainer.val_every": NON_NEGATIVE,
+    "trainer.val_n": COUNT,
+    "trainer.val_temperature": POSITIVE,
     "trainer.worker_timeout_s": POSITIVE,
     "trainer.max_restarts": NON_NEGATIVE,
     "trainer.restart_wait_s": NON_NEGATIVE,
@@ -260,12 +266,48 @@ def validate(cfg: Any) -> None:
         _check_rollout_in_actor(cfg)
     if r.policy_lag:
         _check_policy_lag(cfg)
+    if a.dynamic_sampling:
+        _check_dynamic_sampling(cfg)
     if cfg.search.enabled and cfg.placement.rollout_in_actor:
         raise ConfigError("search.enabled=true runs its turns in rollout workers: set placement.rollout_in_actor=false")
     if cfg.reward.in_driver and cfg.reward.model_path:
         raise ConfigError(
             "reward.in_driver=true scores rule-based rewards only, but reward.model_path is set: "
             "drop one of them (a reward model runs in reward workers)"
+        )
+    _check_objective(cfg)
+
+
+def response_limit(cfg: Any) -> int:
+    """The longest response the sampler may produce, in tokens (the constant of the overlong penalty and
+    of actor.loss_agg_mode=seq-mean-token-sum-norm)."""
+    return cfg.search.max_response_tokens if cfg.search.enabled else cfg.rollout.max_new_tokens
+
+
+def _check_objective(cfg: Any) -> None:
+    """Combinations of the loss and advantage keys that cannot work as written."""
+    a, actor = cfg.algorithm, cfg.actor
+    if a.name == "grpo" and a.kl_mode == "reward" and a.grpo_norm_by_std and a.kl_coef > 0:
+        raise ConfigError(
+            "algorithm.kl_mode=reward with algorithm.name=grpo divides the KL penalty by each group's score std, "
+            "so it becomes full-size noise where a group's answers all score alike: set algorithm.kl_mode=loss "
+            "(GRPO's own), algorithm.grpo_norm_by_std=false or algorithm.kl_coef=0"
+        )
+    if actor.policy_loss != "ppo" and actor.dual_clip:
+        raise ConfigError(
+            f"actor.dual_clip is PPO's and does nothing with actor.policy_loss={actor.policy_loss}: "
+            f"set actor.dual_clip=0, or actor.policy_loss=ppo"
+        )
+    limit_key = "search.max_response_tokens" if cfg.search.enabled else "rollout.max_new_tokens"
+    if a.overlong_buffer > response_limit(cfg):
+        raise ConfigError(
+            f"algorithm.overlong_buffer={a.overlong_buffer} is longer than the response limit "
+            f"{limit_key}={response_limit(cfg)}: set it to at most that (0 = no overlong penalty)"
+        )
+    if a.overlong_buffer and not a.overlong_penalty:
+        raise ConfigError(
+            f"algorithm.overlong_buffer={a.overlong_buffer} with algorithm.overlong_penalty=0 penalises nothing: "
+            f"set algorithm.overlong_penalty > 0 (e.g. 1), or algorithm.overlong_buffer=0"
         )
 
 
@@ -283,6 +325,16 @@ def _check_policy_lag(cfg: Any) -> None:
         raise ConfigError(
             "rollout.policy_lag=1 keeps the engines generating while the actor trains: set "
             "rollout.sleep_between_rollouts=false, or rollout.policy_lag=0"
+        )
+
+
+def _check_dynamic_sampling(cfg: Any) -> None:
+    """Dropping groups whose samples all score the same needs groups: an estimator that compares them."""
+    if not cfg.uses_groups:
+        raise ConfigError(
+            f"algorithm.dynamic_sampling=true keeps prompts whose samples score differently, which only "
+            f"group algorithms learn from: set algorithm.name to one of grpo, rloo, reinforce_pp_baseline "
+            f"(now {cfg.algorithm.name}), or algorithm.dynamic_sampling=false"
         )
 
 

@@ -1,9 +1,11 @@
 """The training loop. One PPO step reads top to bottom in `Trainer.step`:
 
-    rollout -> rewards -> log-probs and values -> advantages -> update actor and critic
+    rollout -> rewards (-> with dynamic sampling, more rounds until the batch is informative)
+    -> log-probs and values -> advantages -> update actor and critic
     -> push the new weights to the rollout engines -> the step's metrics
 
 `Trainer.fit` runs the steps, and once per finished step validates, logs, saves and stops.
+`Trainer.evaluate` (trainer.eval_only) scores a checkpoint or model on the validation sets instead.
 `train(cfg)` runs the whole job around the loop (job.py: the cluster, the inputs, the roles, restarts).
 
 What is simplified, on purpose:
@@ -25,12 +27,13 @@ import torch
 from .algo import ppo_math as pm
 from .algo.advantages import compute_advantages
 from .algo.batch import Batch, build_batch, split_batch, update_shards
+from .algo.evaluation import length_metrics, sampled_metrics
 from .config import Config
 from .inputs.data import PromptLoader, PromptRecord
 from .inputs.rewards import score_responses
-from .metrics import MetricsLogger, Timer, format_summary, print_sample
+from .metrics import MetricsLogger, Timer, format_eval_table, format_summary, print_sample
 from .rollout.engines import SamplingSettings
-from .rollout.queue import RolloutQueue, Rollouts, SentStep, StepsInFlight
+from .rollout.queue import RolloutQueue, Rollouts, Round, SentStep, StepsInFlight, refill
 from .rollout.weight_sync import WeightPush
 from .state import checkpoint
 from .state.shards import load_roles, save_roles
@@ -41,7 +44,8 @@ if TYPE_CHECKING:
 
 
 def train(cfg: Config) -> dict:
-    """Run the whole training job (job.py: cluster, inputs, roles, restarts) and return its summary."""
+    """Run the whole training job (job.py: cluster, inputs, roles, restarts) and return its summary
+    (with trainer.eval_only, the evaluation's result)."""
     from .job import run_job
 
     return run_job(cfg, Trainer)
@@ -58,6 +62,21 @@ class History:
     resumed_from: int | None = None
 
 
+@dataclass
+class Sampled:
+    """A step's samples as the update sees them, and what was generated to get them."""
+
+    rollouts: Rollouts
+    records: list[PromptRecord]
+    """One per sample."""
+    scores: torch.Tensor
+    """The samples' rewards [N]."""
+    generated: torch.Tensor
+    """The rewards of every sample generated this step (dynamic sampling drops some): rollout/reward_mean."""
+    metrics: dict
+    """Dynamic sampling's (rollout/sampling_rounds, ...); {} without it."""
+
+
 class Trainer:
     def __init__(self, cfg: Config, roles, inputs: Inputs, restarts: int = 0, stop=None):
         """`restarts`: restarts after a lost worker or node so far (logged as trainer/restarts); `stop`:
@@ -69,7 +88,12 @@ class Trainer:
         self.stop = stop
         self.tokenizer = inputs.tokenizer
         self.reward_fn = inputs.reward_fn if cfg.reward.in_driver else None
-        self.loader = PromptLoader(inputs.train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
+        self.loader = None
+        if not cfg.trainer.eval_only:
+            self.loader = PromptLoader(inputs.train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
+        self.val_sets = {"": inputs.val} if inputs.val else {}
+        """Validation prompts by name ("" is data.val_files' set)."""
+        self.val_sets.update(inputs.val_sets)
         alg = cfg.algorithm
         if alg.kl_target > 0:
             self.kl_ctl = pm.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
@@ -91,7 +115,7 @@ class Trainer:
         self.maybe_resume()
         logger = MetricsLogger(cfg, cfg.trainer.run_dir, self.global_step)
         try:
-            if self.global_step == 0 and self.inputs.val:
+            if self.global_step == 0 and self.val_sets:
                 self.history.val_before = self.validate()["val/reward_mean"]
                 self.history.val_last = self.history.val_before
                 logger.log(0, {"val/reward_mean": self.history.val_before})
@@ -127,16 +151,21 @@ class Trainer:
         # ---- 1. Rollout: n samples per prompt, grouped per prompt. With rollout.policy_lag=1 they
         #      were started during the previous step, and the next step's start now.
         with timer("rollout"):
-            next_batch = None if sees_weights else self.next_rollout()
-            got = self.rollouts.take(self.global_step, prompts, self.sampling(self.global_step), then=next_batch)
-            self.push_weights.release_engines()
+            got = self.rollout(prompts, sees_weights)
         records = [p for p in prompts for _ in range(cfg.rollout.n)]
-        batch = self.to_batch(records, got.completions)
-        response_mask = batch["response_mask"]
 
-        # ---- 2. Rewards (scored by the reward workers as the engines finished, or here).
+        # ---- 2. Rewards (scored by the reward workers as the engines finished, or here). With
+        #      algorithm.dynamic_sampling the prompts whose samples all score the same are dropped and
+        #      more are sampled until the batch is full again (`refill`).
         with timer("reward"):
             scores = self.score(got, records)
+        sampled = Sampled(got, records, scores, scores, {})
+        if cfg.algorithm.dynamic_sampling:
+            with timer("refill"):
+                sampled = self.refill(sampled, prompts, sees_weights)
+        got, records, scores = sampled.rollouts, sampled.records, sampled.scores
+        batch = self.to_batch(records, got.completions)
+        response_mask = batch["response_mask"]
         print_sample(
             self.global_step, records[0].prompt_text, self.tokenizer, got.completions[0].token_ids, float(scores[0])
         )
@@ -159,7 +188,8 @@ class Trainer:
         # ---- 7. The step's metrics; the update's join them once it is collected.
         self.kl_ctl.update(metrics.get("actor/kl_seq", 0.0), batch.size)
         metrics.update(got.metrics(response_mask))
-        metrics.update(self.reward_metrics(scores))
+        metrics.update(self.reward_metrics(sampled.generated))
+        metrics.update(sampled.metrics)
         metrics["actor/kl_coef"] = kl_coef
         metrics["trainer/restarts"] = self.restarts
         tokens = float(response_mask.sum())
@@ -168,6 +198,51 @@ class Trainer:
         return self.in_flight.add(sent, hold=hold)
 
     # ------------------------------------------------------------------------------------------
+    def rollout(self, prompts: list[PromptRecord], sees_weights: bool) -> Rollouts:
+        """This step's samples (taken from the batch in flight, or generated now) and, with
+        rollout.policy_lag=1, the next step's batch started. With dynamic sampling the next batch
+        starts in `refill` instead, once this step has drawn all the prompts it needs."""
+        step = self.global_step
+        then = None if sees_weights or self.cfg.algorithm.dynamic_sampling else self.next_rollout()
+        got = self.rollouts.take(step, prompts, self.sampling(step), then=then)
+        if not self.cfg.algorithm.dynamic_sampling:
+            self.push_weights.release_engines()
+        return got
+
+    def refill(self, sampled: Sampled, prompts: list[PromptRecord], sees_weights: bool) -> Sampled:
+        """Dynamic sampling (rollout/queue.py `refill`): keep the prompts whose samples score differently,
+        generating rounds of new prompts from the loader (with the weights pushed last) until
+        data.train_batch_size are kept or algorithm.max_sampling_rounds rounds ran. Only then does the next
+        step's batch start (rollout.policy_lag=1), from where the loader now stands: the loader state a
+        checkpoint saves is where the next step begins, as without dynamic sampling."""
+        cfg = self.cfg
+        n = cfg.rollout.n
+        generated = [sampled.scores]
+
+        def more() -> Round:
+            prompts = self.loader.next_batch()
+            settings = self.sampling(self.global_step)
+            settings.seed += 7 * len(generated)  # each round samples afresh, reproducibly
+            t0 = time.perf_counter()
+            got = self.rollouts.generate(prompts, settings)
+            waited = time.perf_counter() - t0
+            generated.append(self.score(got, [p for p in prompts for _ in range(n)]))
+            return Round(prompts, got.completions, generated[-1], waited)
+
+        first = Round(prompts, sampled.rollouts.completions, sampled.scores, sampled.rollouts.waited_s)
+        kept, metrics = refill(first, more, cfg.data.train_batch_size, n, cfg.algorithm.max_sampling_rounds)
+        then = None if sees_weights else self.next_rollout()
+        if then is not None:
+            self.rollouts.start(self.global_step + 1, *then)
+        self.push_weights.release_engines()
+        return Sampled(
+            Rollouts(kept.completions, sampled.rollouts.lag, kept.waited_s, None),
+            [p for p in kept.prompts for _ in range(n)],
+            kept.scores,
+            torch.cat(generated),
+            metrics,
+        )
+
     def to_batch(self, records: list[PromptRecord], completions: list) -> Batch:
         """Prompts left-padded, responses right-padded, with the engines' log-probs and loss masks."""
         return build_batch(
@@ -176,15 +251,19 @@ class Trainer:
             self.tokenizer.pad_token_id,
             [c.logprobs for c in completions],
             [c.loss_mask for c in completions],
+            [c.finish_reason for c in completions],
         )
 
     def score(self, got: Rollouts, records: list[PromptRecord]) -> torch.Tensor:
         """Rewards [N] for `got`, one record per sample: the reward workers' (started as the engines
         finished, rollout/queue.py), or with reward.in_driver rule-based rewards scored right here."""
         if self.reward_fn is None:
-            return got.scores()
+            return got.scores(self.cfg.reward.function, self.cfg.reward.timeout_s)
         responses = [c.token_ids for c in got.completions]
-        _texts, values = score_responses(self.reward_fn, self.tokenizer, responses, records, self.cfg.reward.function)
+        reward = self.cfg.reward
+        _texts, values = score_responses(
+            self.reward_fn, self.tokenizer, responses, records, reward.function, reward.timeout_s
+        )
         return torch.tensor(values, dtype=torch.float32)
 
     def logprobs_and_values(self, batch: Batch, timer: Timer) -> None:
@@ -247,7 +326,7 @@ class Trainer:
 
     def validates_at(self, step: int) -> bool:
         every = self.cfg.trainer.val_every
-        return bool(self.inputs.val) and (bool(every and step % every == 0) or step == self.cfg.trainer.total_steps)
+        return bool(self.val_sets) and (bool(every and step % every == 0) or step == self.cfg.trainer.total_steps)
 
     def saves_at(self, step: int) -> bool:
         every = self.cfg.trainer.save_every
@@ -279,14 +358,68 @@ class Trainer:
         return SamplingSettings.from_config(self.cfg.rollout, seed=self.cfg.trainer.seed * 100_003 + step)
 
     def validate(self) -> dict:
-        records = self.inputs.val
-        settings = SamplingSettings.from_config(self.cfg.rollout, seed=0, greedy=True)
+        """Every validation set: greedy accuracy (`val/reward_mean`), with trainer.val_n > 1 also mean@n and
+        pass@k of that many samples per prompt at trainer.val_temperature, and the response lengths and
+        truncation rate. data.val_files' set reports as val/..., each of data.val_sets' as val/<name>/...;
+        `val/reward_mean` is always there (without data.val_files, the first named set's)."""
+        metrics = {}
+        for name, records in self.val_sets.items():
+            prefix = f"val/{name}/" if name else "val/"
+            metrics.update({prefix + key: value for key, value in self.validate_set(records).items()})
+        if "val/reward_mean" not in metrics and self.val_sets:
+            metrics["val/reward_mean"] = metrics[f"val/{next(iter(self.val_sets))}/reward_mean"]
+        return metrics
+
+    def validate_set(self, records: list[PromptRecord]) -> dict:
+        """One validation set's statistics (algo/evaluation.py), names without the val/ prefix."""
+        tc = self.cfg.trainer
+        greedy = SamplingSettings.from_config(self.cfg.rollout, seed=0, greedy=True)
+        scores, completions = self.generate_and_score(records, greedy)
+        metrics = {"reward_mean": sum(scores) / len(scores)}
+        metrics.update(
+            length_metrics([len(c.token_ids) for c in completions], [c.finish_reason == "length" for c in completions])
+        )
+        if tc.val_n > 1:
+            sampled = SamplingSettings.from_config(self.cfg.rollout, seed=1)
+            sampled.n, sampled.temperature = tc.val_n, tc.val_temperature
+            scores, completions = self.generate_and_score(records, sampled)
+            metrics.update(sampled_metrics(scores, tc.val_n))
+            lengths = length_metrics(
+                [len(c.token_ids) for c in completions], [c.finish_reason == "length" for c in completions]
+            )
+            metrics.update({f"sampled_{key}": value for key, value in lengths.items()})
+        return metrics
+
+    def generate_and_score(self, records: list[PromptRecord], settings: SamplingSettings) -> tuple[list[float], list]:
+        """`settings.n` samples per prompt, in chunks of data.val_batch_size prompts, and their rewards."""
         size = self.cfg.data.val_batch_size
-        scores = []
+        scores: list[float] = []
+        completions: list = []
         for start in range(0, len(records), size):
             chunk = records[start : start + size]
-            scores.append(self.score(self.rollouts.generate(chunk, settings), chunk))
-        return {"val/reward_mean": float(torch.cat(scores).mean())}
+            got = self.rollouts.generate(chunk, settings)
+            scores += self.score(got, [p for p in chunk for _ in range(settings.n)]).tolist()
+            completions += got.completions
+        return scores, completions
+
+    def evaluate(self) -> dict:
+        """trainer.eval_only: score the checkpoint `inputs.resume` (or, without one, model.path) on every
+        validation set, print one table and write run_dir/eval.json. Nothing else in run_dir changes."""
+        ckpt = self.inputs.resume
+        if ckpt is not None:
+            load_roles(self.roles, ckpt, self.cfg.trainer.worker_timeout_s)
+            self.push_weights()
+            self.rollouts.settle()
+        model = str(ckpt.path) if ckpt is not None else self.cfg.model.path
+        step = ckpt.state["step"] if ckpt is not None else 0
+        metrics = self.validate()
+        run_dir = Path(self.cfg.trainer.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        result = {"model": model, "step": step, "metrics": metrics}
+        (run_dir / "eval.json").write_text(json.dumps(result, indent=1))
+        print(format_eval_table(model, step, metrics), flush=True)
+        print(f"metrics written to {run_dir.resolve() / 'eval.json'}", flush=True)
+        return result
 
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:

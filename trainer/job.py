@@ -1,10 +1,12 @@
-"""The training job around the loop: plan the roles, join the cluster, check and load the inputs, start
-the roles, run the loop, and always shut the roles down.
+"""The training job around the loop: check the inputs, plan the roles, join the cluster, load the inputs,
+start the roles, run the loop, and always shut the roles down.
 
     summary = run_job(cfg, Trainer)   # driver.train(cfg) does this
 
-It plans what each role asks of the cluster (roles/placement.py), joins the Ray cluster (or starts a
-local one) and checks that it can hold them, then runs the checks and loads that need no cluster
+First the checks that need no cluster and load nothing big (`check_inputs`: the reward function, the
+model directories or a hub that answers, the prompt files), so a typo fails in well under a second,
+before any Ray process exists. Then it plans what each role asks of the cluster (roles/placement.py),
+joins the Ray cluster (or starts a local one) and checks that it can hold them, loads the inputs
 (inputs/prepare.py: run directory, checkpoint, model, data, reward function), starts the roles and runs
 `Trainer(cfg, roles, inputs, restarts, stop).fit()`; a lost worker or node restarts the roles from the
 latest checkpoint (recovery.py), and a worker's expected failure ends the run with its own one line.
@@ -13,8 +15,11 @@ latest checkpoint (recovery.py), and a worker's expected failure ends the run wi
 from __future__ import annotations
 
 from .config import Config
+from .inputs.data import check_prompt_files
+from .inputs.models import check_model_path
 from .inputs.prepare import prepare
-from .recovery import StopRequest, run_with_restarts
+from .inputs.rewards import resolve_reward_fn
+from .recovery import StopRequest, run_with_restarts, stop_grace_s
 from .roles.cluster import connect, preflight
 from .state.run_dir import record_start
 from .state.storage import fetch_checkpoint
@@ -31,20 +36,25 @@ def run_job(cfg: Config, trainer_class) -> dict:
 
         check_vllm_available()
     requests = plan(cfg)  # what each role asks of the cluster, decided here once
+    check_inputs(cfg)  # no cluster yet: a missing file fails in well under a second
     started_ray = connect(cfg, requests)
     try:
         preflight(requests)  # a cluster too small fails in seconds, before anything heavy
         fetch_checkpoint(cfg)  # trainer.checkpoint_uri: its newest copy when newer than run_dir's (storage.py)
         inputs = prepare(cfg)
-        print("cloudrl trainer, resolved config:\n" + cfg.to_yaml(), flush=True)
-        with worker_errors(), StopRequest() as stop:  # a worker's expected failure ends the run with its own line
+        print(config_changes(cfg), flush=True)
+        # A worker's expected failure ends the run with its own line; SIGTERM/SIGINT stop it after a step.
+        with worker_errors(), StopRequest(stop_grace_s(cfg)) as stop:
 
             def start_roles():
                 return launch_roles(cfg, requests, inputs.model_path, inputs.critic_path)
 
             def run(roles, restarts: int) -> dict:
+                trainer = trainer_class(cfg, roles, inputs, restarts, stop)
+                if cfg.trainer.eval_only:  # scores a model: run_dir's config and timeline stay as they are
+                    return trainer.evaluate()
                 record_start(cfg, roles)
-                return trainer_class(cfg, roles, inputs, restarts, stop).fit()
+                return trainer.fit()
 
             return run_with_restarts(cfg, requests, inputs, start_roles, run)
     finally:
@@ -52,3 +62,49 @@ def run_job(cfg: Config, trainer_class) -> dict:
             import ray
 
             ray.shutdown()
+
+
+def check_inputs(cfg: Config) -> None:
+    """The input checks that need no cluster and load nothing big, each one line naming the key and the
+    fix: the reward function (its file imported), every model setting (a directory that exists, or a hub
+    id the hub can serve), every prompt file and local dataset (and the hub for hub datasets)."""
+    resolve_reward_fn(cfg.reward.function)
+    check_model_path("model.path", cfg.model.path)
+    for key, path in (("critic.model_path", cfg.critic.model_path), ("reward.model_path", cfg.reward.model_path)):
+        if path:
+            check_model_path(key, path)
+    if not cfg.trainer.eval_only:  # scoring a model reads no training prompts
+        check_prompt_files(cfg.data.train_files, "data.train_files")
+    check_prompt_files(cfg.data.val_files, "data.val_files")
+    for name, files in cfg.data.val_sets.items():
+        check_prompt_files(files, f"data.val_sets.{name}")
+
+
+def config_changes(cfg: Config) -> str:
+    """What the job log shows of the config: the keys that differ from the defaults, as KEY=VALUE lines.
+    The whole resolved config is the run directory's config.yaml (written once the roles start)."""
+    defaults = Config().to_dict()
+    lines = [
+        f"  {section}.{key}={_as_override(value)}"
+        for section, values in cfg.to_dict().items()
+        for key, value in values.items()
+        if value != defaults[section][key]
+    ]
+    # An eval-only run leaves run_dir's config.yaml as it is (it belongs to the run that trained there).
+    saved = "" if cfg.trainer.eval_only else f"; the whole config: {cfg.trainer.run_dir}/config.yaml"
+    head = (
+        f"cloudrl trainer: {len(lines)} config key(s) differ from the defaults (every key and its meaning: "
+        f"python -m cloudrl.trainer --help-config{saved})"
+    )
+    return "\n".join([head + (":" if lines else ""), *lines])
+
+
+def _as_override(value) -> str:
+    """A config value as it is written on the command line (`trainer.loggers=[console,jsonl]`)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(_as_override(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_as_override(v)}" for k, v in value.items()) + "}"
+    return "" if value is None else str(value)

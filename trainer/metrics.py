@@ -37,7 +37,10 @@ class MetricsLogger:
         self.sinks = set(cfg.trainer.loggers)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a") if "jsonl" in self.sinks else None
+        self.jsonl = None
+        if "jsonl" in self.sinks:
+            keep_rows_up_to(self.run_dir / "metrics.jsonl", resumed_step)
+            self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
         self.tb = None
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
@@ -76,6 +79,29 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def keep_rows_up_to(path: Path, resumed_step: int) -> None:
+    """Before a run (re)starts at `resumed_step`: drop the rows of `path` that it will log again, so that
+    no step has two rows. Those are the rows past the checkpoint it resumes from (logged by a run that
+    stopped before saving them, or by the timeline of a later checkpoint), and every row of a run that
+    starts from step 0. A line cut short by a crash goes too. Rewritten atomically; no file, nothing."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if line.endswith("\n") and resumed_step > 0 and isinstance(step, int) and step <= resumed_step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _start_wandb(cfg):
@@ -181,4 +207,22 @@ def format_summary(s: dict) -> str:
     lines.append(f"  checkpoint:       {s['checkpoint']}")
     lines.append(f"  exported model:   {s['exported_model'] or 'off (trainer.export_hf=false)'}")
     lines.append(f"  metrics:          {s['metrics']}")
+    return "\n".join(lines)
+
+
+def format_eval_table(model: str, step: int, metrics: dict) -> str:
+    """One row per validation set, one column per statistic (val/<name>/<stat> or val/<stat>)."""
+    rows: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        name, stat = ("val", parts[1]) if len(parts) == 2 else (parts[1], parts[2])
+        rows.setdefault(name, {})[stat] = value
+    if len(rows) > 1 and "val" in rows and set(rows["val"]) == {"reward_mean"}:
+        del rows["val"]  # only the first named set's reward again
+    stats = list(dict.fromkeys(stat for row in rows.values() for stat in row))
+    width = max(len(name) for name in rows) + 2
+    lines = [f"evaluation of {model} (step {step})", "set".ljust(width) + "  ".join(s.rjust(8) for s in stats)]
+    for name, row in rows.items():
+        cells = [f"{row[s]:.4g}".rjust(max(8, len(s))) if s in row else "-".rjust(max(8, len(s))) for s in stats]
+        lines.append(name.ljust(width) + "  ".join(cells))
     return "\n".join(lines)

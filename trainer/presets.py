@@ -195,12 +195,41 @@ def apply_mapping(cfg: Any, data: dict, source: str, prefix: str = "") -> None:
             set_key(cfg, key, value, source)
 
 
-def set_key(cfg: Any, key: str, value: Any, source: str) -> None:
+# Keys whose default depends on another key: setting that key gives each of them its default for the new
+# value, unless the preset or an override set it already (and a key set later wins as usual), so the result
+# does not depend on the order of the keys. GRPO and REINFORCE++-baseline scale each prompt's scores by a
+# standard deviation, so a KL penalty folded into the scores turns into full-size noise in the groups whose
+# answers all score the same: they take KL in the loss. There the estimator is GRPO's k3 (Shao et al.
+# 2024): the gradient of k1 as a loss is 0 in expectation, so k1 serves the reward only.
+DEPENDENT_DEFAULTS: dict[str, dict[Any, dict[str, Any]]] = {
+    "algorithm.name": {
+        "ppo": {"algorithm.kl_mode": "reward"},
+        "reinforce_pp": {"algorithm.kl_mode": "reward"},
+        "rloo": {"algorithm.kl_mode": "reward"},
+        "grpo": {"algorithm.kl_mode": "loss"},
+        "reinforce_pp_baseline": {"algorithm.kl_mode": "loss"},
+    },
+    "algorithm.kl_mode": {
+        "reward": {"algorithm.kl_estimator": "k1"},
+        "loss": {"algorithm.kl_estimator": "k3"},
+    },
+}
+
+
+def set_key(cfg: Any, key: str, value: Any, source: str, explicit: bool = True) -> None:
     try:
         owner, f = _resolve(cfg, key)
     except KeyError:
         raise unknown_key_error(key, all_keys(cfg), source) from None
-    setattr(owner, f.name, coerce(key, value, key_type(cfg, key)))
+    value = coerce(key, value, key_type(cfg, key))
+    setattr(owner, f.name, value)
+    keys_set = vars(cfg).setdefault("_keys_set", set())  # not a field: never saved, never compared
+    if explicit:
+        keys_set.add(key)
+    defaults = DEPENDENT_DEFAULTS[key].get(value, {}) if key in DEPENDENT_DEFAULTS else {}
+    for dependent, default in defaults.items():
+        if dependent not in keys_set:
+            set_key(cfg, dependent, default, source, explicit=False)
 
 
 def _lookup(cfg: Any, key: str) -> Any:

@@ -1,7 +1,7 @@
 """Keeping a run alive: a stop request (SIGTERM) checkpoints the last step before exiting, and a lost
 worker, engine or node restarts the roles from the latest checkpoint inside the same driver.
 
-    with StopRequest() as stop:                  # SIGTERM: finish the step in flight, save it, stop
+    with StopRequest(stop_grace_s(cfg)) as stop:  # SIGTERM/SIGINT: finish the step in flight, save it, stop
         summary = run_with_restarts(cfg, requests, inputs, launch, run)   # run(roles, restarts) -> summary
 
 `run_with_restarts` starts the roles and trains; when Ray reports a dead actor or node (or a collective
@@ -14,6 +14,7 @@ from ends with one line saying why and how to resume by hand.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -40,36 +41,93 @@ WORKER_ROLES = {
 RESUME_BY_HAND = "resubmit the same config with trainer.resume=auto to continue from the latest checkpoint"
 
 
-class StopRequest:
-    """While active, SIGTERM asks the run to stop instead of killing it: the step in flight finishes,
-    `Trainer.fit` saves it and raises `Stopped`. A second SIGTERM kills at once. Only the main thread
-    can take signals; elsewhere this does nothing."""
+def stop_grace_s(cfg) -> float:
+    """How long after the first SIGTERM/SIGINT the step in flight and its checkpoint may take before the
+    process stops without them: twice trainer.worker_timeout_s, the bound of each of a step's slowest
+    legitimate waits (a weight sync, a checkpoint save)."""
+    return 2 * cfg.trainer.worker_timeout_s
 
-    def __init__(self):
+
+class StopRequest:
+    """While active, SIGTERM and SIGINT (Ctrl+C) ask the run to stop instead of killing it: the step in
+    flight finishes, `Trainer.fit` saves it and raises `Stopped` (exit 1 after SIGTERM, 130 after SIGINT).
+    A second SIGTERM or SIGINT, or `grace_s` seconds without the step finishing, end the process at once
+    with one line; the latest checkpoint is kept as it is. Only the main thread can take signals;
+    elsewhere this does nothing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, grace_s: float = 1200.0):
         self.requested = False
-        self._previous = None
+        self.signal_name = ""
+        """SIGTERM or SIGINT: the signal that asked the run to stop."""
+        self.grace_s = grace_s
+        self._previous: dict = {}
+        self._timer: threading.Timer | None = None
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status after a stop: 130 after SIGINT (as a shell reports Ctrl+C), 1 after SIGTERM."""
+        return 130 if self.signal_name == "SIGINT" else 1
 
     def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested:
+            _say(
+                f"error: received {name} again: stopped at once, without saving the step in flight; the "
+                f"latest checkpoint is kept: {RESUME_BY_HAND}"
+            )
+            os._exit(128 + signum)
         self.requested = True
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process
-        print("received SIGTERM: finishing the step in flight, then checkpointing it and stopping", flush=True)
+        self.signal_name = name
+        self._timer = threading.Timer(self.grace_s, self._grace_over)
+        self._timer.daemon = True
+        self._timer.start()
+        _say(
+            f"received {name}: finishing the step in flight, then checkpointing it and stopping (a second "
+            f"Ctrl+C or SIGTERM stops at once; so does a step not done within {self.grace_s:g}s)"
+        )
+
+    def _grace_over(self) -> None:
+        _say(
+            f"error: the step in flight did not finish within {self.grace_s:g}s of {self.signal_name} "
+            f"(twice trainer.worker_timeout_s): stopped without saving it; the latest checkpoint is kept: "
+            f"{RESUME_BY_HAND}"
+        )
+        os._exit(128 + getattr(signal, self.signal_name, signal.SIGTERM))
 
     def checkpoint_and_stop(self, trainer, last_ckpt) -> None:
         """After a completed step: save it (unless just saved) and end the run with one line."""
         if last_ckpt is None or last_ckpt.name != f"{checkpoint.PREFIX}{trainer.global_step:06d}":
             last_ckpt = trainer.save_checkpoint()
-        raise Stopped(
-            f"stopped by SIGTERM after step {trainer.global_step}, checkpointed in {last_ckpt}: {RESUME_BY_HAND}"
+        stopped = Stopped(
+            f"stopped by {self.signal_name or 'SIGTERM'} after step {trainer.global_step}, checkpointed in "
+            f"{last_ckpt}: {RESUME_BY_HAND}"
         )
+        stopped.exit_code = self.exit_code  # what `python -m cloudrl.trainer` exits with
+        raise stopped
+
+
+def _say(line: str) -> None:
+    """Print one line from a signal handler or timer: straight to the file descriptor, so that it never
+    meets a print the main thread is in the middle of (a reentrant write would raise there)."""
+    fd = 2 if line.startswith("error:") else 1
+    try:
+        os.write(fd, (line + "\n").encode())
+    except OSError:  # no terminal or log left to write to: the stop goes on regardless
+        pass
 
 
 def lost_component(exc: BaseException, roles) -> str | None:

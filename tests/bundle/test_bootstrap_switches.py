@@ -1,6 +1,7 @@
 """Slurm's inputs (tasks/slurm/ray-node.sh, which runs tasks/ray-bootstrap.sh), CLOUDRL_DEBUGGER and
 CLOUDRL_RAY_RESOURCES: bad values stop the node at once with one line naming the fix, before anything is
-installed or started. (The good values run on a real Slurm and a namespace cluster in
+installed or started. CLOUDRL_DEBUGGER=legacy keeps the pdb on loopback: a stand-in Python shows the
+`ray start` it gets. (The good values run on a real Slurm and a namespace cluster in
 tests/bundle/test_slurm_cluster.py and tests/bundle/test_debugger.py.)"""
 
 from __future__ import annotations
@@ -139,3 +140,56 @@ def test_slurm_node_script_hands_slurms_inputs_to_the_bootstrap_as_dstacks(tmp_p
         "DSTACK_GPUS_PER_NODE=3",
         "DSTACK_NODES_IPS=10.9.0.1 10.9.0.2",
     ]
+
+
+# CLOUDRL_PYTHON for the bootstrap: Ray at the pin, every package importable, pip and ray_bringup.py's steps
+# doing nothing, and `ray start` printing its arguments and the debugger's variables instead of starting.
+STAND_IN_PYTHON = """#!/usr/bin/env bash
+case "$1 $2" in
+    "-c import ray; print(ray.__version__)") echo 2.60.0 ;;
+    "-m ray.scripts.scripts")
+        shift 2
+        printf 'ray-arg %s\\n' "$@"
+        for v in RAY_DEBUG REMOTE_PDB_HOST RAY_DEBUGGER_EXTERNAL; do echo "ray-env $v=${!v-<unset>}"; done
+        ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["head", "worker"])
+def test_legacy_debugger_keeps_the_pdb_on_loopback(rank, tmp_path):
+    """`ray start` on every node gets RAY_DEBUG=legacy with REMOTE_PDB_HOST=127.0.0.1 and never
+    --ray-debugger-external (which would open the pdb on every interface), whatever the node's
+    environment held."""
+    stand_in = tmp_path / "python3"
+    stand_in.write_text(STAND_IN_PYTHON)
+    stand_in.chmod(0o755)
+    # The worker waits for the head's GCS port and reports its phases to the head: a listening
+    # socket on loopback answers both.
+    with socket.create_server(("127.0.0.1", 0)) as head:
+        port = str(head.getsockname()[1])
+        env = {
+            **ONE_NODE,
+            "DSTACK_NODE_RANK": str(rank),
+            "DSTACK_MASTER_NODE_IP": "127.0.0.1",
+            "DSTACK_NODES_NUM": "2",
+            "DSTACK_NODES_IPS": "127.0.0.1\n127.0.0.2\n",
+            "CLOUDRL_RAY_PORT": port,
+            "CLOUDRL_PHASE_PORT": port,
+            "CLOUDRL_JOIN_TIMEOUT": "10",
+            "CLOUDRL_PYTHON": str(stand_in),
+            "CLOUDRL_DEBUGGER": "legacy",
+            "RAY_DEBUGGER_EXTERNAL": "1",
+            "REMOTE_PDB_HOST": "0.0.0.0",
+        }
+        result = bootstrap(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    args = [ln.removeprefix("ray-arg ") for ln in result.stdout.splitlines() if ln.startswith("ray-arg ")]
+    assert args[0] == "start" and ("--head" in args) == (rank == 0), result.stdout
+    assert not any(a.startswith("--ray-debugger-external") for a in args), args
+    assert [ln for ln in result.stdout.splitlines() if ln.startswith("ray-env ")] == [
+        "ray-env RAY_DEBUG=legacy",
+        "ray-env REMOTE_PDB_HOST=127.0.0.1",
+        "ray-env RAY_DEBUGGER_EXTERNAL=<unset>",
+    ]
+    assert "CLOUDRL_DEBUGGER=legacy: a paused worker waits for a debugger that takes no token" in result.stdout

@@ -1,9 +1,10 @@
 """CLOUDRL_DEBUGGER=legacy on the dstack bundle's 2-node cluster, and `cloudrl logs --node`.
 
 The nodes run the task's own commands (tests/helpers/bundle_netns.py plays dstack's runner). A job's remote
-function stops at `breakpoint()` on the worker node; Ray's own `ray debug`, run on the head, lists that
-breakpoint and attaches to it across the node boundary (the pdb listens on the worker's cluster
-address), and the test drives the pdb session through `ray debug`'s stdin.
+function stops at `breakpoint()` on the worker node, whose pdb listens on that node's 127.0.0.1 only (no
+--ray-debugger-external): the head cannot reach it. Ray's own `ray debug`, run on the worker node as
+docs/debugging.md says (a Ray driver, on that node's raylet), lists the breakpoint and attaches to it,
+and the test drives the pdb session through `ray debug`'s stdin.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ def legacy(task, tmp_path_factory):  # noqa: F811 (fixture imported above)
     assert cluster.leftover_pids() == []
 
 
+def pdb_listeners(cluster: NetnsCluster, rank: int, port: int) -> list[str]:
+    """The local addresses of the TCP sockets listening on `port` inside the node's network."""
+    listening = cluster.exec(rank, ["ss", "-Hltn"], timeout=20)
+    assert listening.returncode == 0, listening.stderr
+    return [f[3] for f in map(str.split, listening.stdout.splitlines()) if f[3].rsplit(":", 1)[-1] == str(port)]
+
+
 def test_ray_debug_lists_and_attaches_to_a_breakpoint_on_the_worker_node(legacy, tmp_path):
     env = {**client_env(legacy), "RAY_DEBUG": "legacy"}
     head = f"{legacy.ips[0]}:6379"
@@ -85,19 +93,35 @@ def test_ray_debug_lists_and_attaches_to_a_breakpoint_on_the_worker_node(legacy,
         start_new_session=True,
     )
     try:
-        # `ray debug` runs on the head node (it is a Ray driver: it needs that node's raylet); it prints
-        # its table, then asks for an index: the first read finds stdin closed.
+        # `ray debug` runs on the worker node, where the task paused (it is a Ray driver: it needs that
+        # node's raylet); it prints its table, then asks for an index: the first read finds stdin closed.
         deadline = time.monotonic() + 120
         while True:
-            listed = legacy.run_in_node(0, RAY + ["debug", "--address", head], timeout=60, env=env)
+            listed = legacy.run_in_node(1, RAY + ["debug", "--address", head], timeout=60, env=env)
             if "reward_fn" in listed.stdout or time.monotonic() > deadline:
                 break
             time.sleep(2)
         table = listed.stdout.split("Active breakpoints:", 1)[-1]
         assert re.search(r"reward_fn.*<string>:10", table), listed.stdout + listed.stderr[-3000:]
-        # Attach to breakpoint 0 across nodes, print a local, continue: the task returns.
+        # The paused worker's pdb, as the job's log names it: on loopback, not on the node's address.
+        deadline = time.monotonic() + 60
+        while True:
+            logs = legacy.exec(
+                0, RAY + ["job", "logs", "--address", "http://127.0.0.1:8265", "debug-me"], timeout=60, env=env
+            )
+            opened = re.search(r"RemotePdb session open at (\S+):(\d+),", logs.stdout)
+            if opened or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert opened and opened[1] == "localhost", logs.stdout[-3000:] + logs.stderr[-3000:]
+        port = int(opened[2])
+        # Bound to the worker node's 127.0.0.1 alone: neither its cluster address nor every interface.
+        assert pdb_listeners(legacy, 1, port) == [f"127.0.0.1:{port}"]
+        from_head = legacy.exec(0, ["bash", "-c", f": >/dev/tcp/{legacy.ips[1]}/{port}"], timeout=20)
+        assert from_head.returncode != 0 and "Connection refused" in from_head.stderr, from_head.stderr
+        # Attach to breakpoint 0 from the worker node, print a local, continue: the task returns.
         attached = legacy.run_in_node(
-            0,
+            1,
             ["sh", "-c", 'printf "0\\np secret * 2\\nc\\n" | "$@"', "sh", *RAY, "debug", "--address", head],
             timeout=60,
             env=env,
@@ -105,8 +129,6 @@ def test_ray_debug_lists_and_attaches_to_a_breakpoint_on_the_worker_node(legacy,
         assert "84" in attached.stdout, attached.stdout + attached.stderr[-3000:]
         out, _ = driver.communicate(timeout=120)
         assert "result 42" in out, out[-3000:]
-        # The pdb listened on the worker's cluster address (--ray-debugger-external), not on 0.0.0.0.
-        assert f"RemotePdb session open at {legacy.ips[1]}:" in out, out[-3000:]
     finally:
         if driver.poll() is None:
             driver.kill()

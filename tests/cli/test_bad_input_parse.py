@@ -252,7 +252,7 @@ def assert_one_error_line(result: typer.testing.Result, code: int, *parts: str) 
 USAGE = [
     (["submit", "--bogus"], ["no such option: --bogus", "submit --help"]),
     (["submit", "--preset"], ["option '--preset' requires an argument", "submit --help"]),
-    (["logs"], ["missing argument", "logs --help"]),
+    (["logs", "--node"], ["option '--node' requires an argument", "logs --help"]),
     (["logs", "a", "b"], ["unexpected extra argument", "logs --help"]),
     (["local", "up", "--nodes", "x"], ["'--nodes'", "integer", "local up --help"]),
     (["local", "up", "--nodes", "0"], ["'--nodes'", "local up --help"]),

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,8 +55,6 @@ def local_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int):
 
 def run_trainer(*args: str, env: dict | None = None, timeout: float = 300):
     """`python -m cloudrl.trainer ARGS` in a subprocess; returns the CompletedProcess."""
-    import subprocess
-
     full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # The Ray it starts is a private one: no token auth, even where ~/.ray/auth_token exists (Ray would
     # turn it on and warn on stderr, whichever test ran first).
@@ -116,3 +116,36 @@ def step_metrics(run_dir: Path) -> list[dict]:
     """The training steps' rows of run_dir/metrics.jsonl (step 0 and validation-only rows left out)."""
     rows = metric_rows(run_dir)
     return [r for r in rows if r.get("step", 0) > 0 and "rollout/reward_mean" in r]
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    """The steps of run_dir/metrics.jsonl's rows, in file order ([] before the first)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def start_trainer(run_dir: Path, log: Path, ray_address: str, **overrides) -> subprocess.Popen:
+    """`python -m cloudrl.trainer --preset local` with tiny_overrides in its own session (stop it by
+    its process group), output to `log`, on the Ray cluster at `ray_address`."""
+    args = [sys.executable, "-m", "cloudrl.trainer", "--preset", "local", *tiny_overrides(run_dir, **overrides)]
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            args,
+            cwd=REPO,
+            env={**os.environ, "RAY_ADDRESS": ray_address, "PYTHONUNBUFFERED": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, log: Path, step: int = 1, timeout_s: float = 300) -> int:
+    """Wait until `proc` logged `step` (or a later one); returns the last step logged."""
+    deadline = time.time() + timeout_s
+    while max(logged_steps(run_dir), default=0) < step and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    done = max(logged_steps(run_dir), default=0)
+    assert done >= step, f"no step {step} in time; driver log:\n{log.read_text()[-3000:]}"
+    return done

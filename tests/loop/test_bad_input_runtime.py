@@ -293,10 +293,11 @@ def test_a_dead_ray_address_fails_in_one_line_at_once():
         f"within 3 s): unset RAY_ADDRESS to start a local Ray instance, or start the cluster "
         f"first (`cloudrl local up`, or `ray start --head` on that host)"
     )
-    with socket.socket() as s:
+    with socket.socket() as s:  # accepting is not enough: a Ray GCS answers as a gRPC server does
         s.bind(("127.0.0.1", 0))
         s.listen()
-        probe(f"127.0.0.1:{s.getsockname()[1]}", "RAY_ADDRESS")  # something answers: Ray takes it from there
+        with pytest.raises(ClusterUnreachable, match="accepts connections but is no Ray GCS"):
+            probe(f"127.0.0.1:{s.getsockname()[1]}", "RAY_ADDRESS", timeout_s=0.5)
     probe("auto", "RAY_ADDRESS")
 
 

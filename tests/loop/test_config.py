@@ -23,6 +23,7 @@ from cloudrl.trainer.config_checks import coerce, validate
 from cloudrl.trainer.presets import all_keys
 
 TRAINER_DIR = Path(config_module.__file__).parent
+PRESETS = ["local", "gsm8k-7b", "search-r1", "dapo", "gspo"]  # every shipped preset, each tested below
 
 
 def error_of(overrides: list[str], preset: str = "local") -> str:
@@ -432,7 +433,7 @@ def _flat_keys(data: dict, prefix: str = "") -> list[str]:
     return keys
 
 
-@pytest.mark.parametrize("preset", ["local", "gsm8k-7b", "search-r1"])
+@pytest.mark.parametrize("preset", PRESETS)
 def test_presets_load_and_use_only_known_keys(preset: str) -> None:
     cfg = load_config(preset)
     validate(cfg)
@@ -442,7 +443,7 @@ def test_presets_load_and_use_only_known_keys(preset: str) -> None:
 
 
 def test_every_shipped_preset_is_covered() -> None:
-    assert set(config_module.available_presets()) == {"local", "gsm8k-7b", "search-r1"}
+    assert set(config_module.available_presets()) == set(PRESETS)
 
 
 def test_defaults_validate_and_round_trip() -> None:

@@ -53,12 +53,13 @@ def test_exported_model_loads_with_plain_transformers(ray_local, tmp_path):
 
 
 # The easy task (operands 0..2: 9 prompts, 5 possible answers) in 20 short steps of 16 prompts x 8
-# samples, each step with four actor (and critic) updates. Mean rollout reward, first 5 steps -> last 5,
-# measured on CPU: ppo 0.23 -> 0.31, reinforce_pp 0.23 -> 0.62, rloo 0.22 -> 0.34,
-# reinforce_pp_baseline 0.22 -> 0.34, grpo 0.22 -> 0.34; with the advantages negated the reward falls
-# instead. GRPO runs without its division by the group's standard deviation: with 0/1 rewards that scales
-# the advantages up to ~3x, which at this learning rate knocks the tiny model off its answer format.
-# reinforce_pp runs with its KL term in the loss (k3), so that path is exercised too.
+# samples, each step with four actor (and critic) updates. Each algorithm runs on the local preset with
+# nothing but its name changed, so with its own KL defaults (grpo and reinforce_pp_baseline: KL in the loss,
+# k3; the others: in the reward, k1). Mean rollout reward, first 5 steps -> last 5, measured on CPU:
+# ppo 0.23 -> 0.31, reinforce_pp 0.23 -> 0.32, rloo 0.22 -> 0.34, reinforce_pp_baseline 0.20 -> 0.33,
+# grpo 0.21 -> 0.29 (with KL in the reward,
+# which GRPO's std scaling turns into noise, 0.22 -> 0.24: refused now); with the advantages negated the
+# reward falls instead.
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -71,10 +72,6 @@ def test_each_algorithm_trains_every_parameter_and_raises_the_reward(ray_local, 
         "trainer.run_dir": tmp_path,
         "trainer.save_every": REWARD_RISES["trainer.total_steps"],
     }
-    if algorithm == "grpo":
-        overrides["algorithm.grpo_norm_by_std"] = "false"
-    if algorithm == "reinforce_pp":  # exercise the KL loss term too
-        overrides.update({"algorithm.kl_mode": "loss", "algorithm.kl_estimator": "k3"})
     cfg = load_config("local", [f"{k}={v}" for k, v in overrides.items()])
     summary = train(cfg)
 
@@ -98,6 +95,22 @@ def test_each_algorithm_trains_every_parameter_and_raises_the_reward(ray_local, 
     rewards = [r["rollout/reward_mean"] for r in steps]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.04, (algorithm, first, last, rewards)
+
+
+def test_gspo_preset_raises_the_reward(ray_local, tmp_path):
+    """The gspo preset (GSPO's sequence-level ratio, clipped per response, seq-mean-token-mean) learns the
+    easy task in the per-algorithm tests' 20 short steps, with one update per step as the preset ships (its
+    3e-4 clip range leaves little to later mini-batches of a step). Measured on CPU: 0.22 -> 0.28."""
+    one_update = {"actor.mini_batch_size": 128, "actor.micro_batch_size": 128}  # 16 prompts x 8 samples
+    overrides = {**REWARD_RISES, **one_update, "trainer.run_dir": tmp_path}
+    cfg = load_config("gspo", [f"{k}={v}" for k, v in overrides.items()])
+    assert (cfg.actor.policy_loss, cfg.algorithm.name) == ("gspo", "grpo")
+    train(cfg)
+    steps = [r for r in metric_rows(tmp_path) if r["step"] > 0]
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in steps)
+    rewards = [r["rollout/reward_mean"] for r in steps]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.04, (first, last, rewards)
 
 
 def _final_actor(run_dir, step) -> dict:

@@ -14,14 +14,25 @@ if TYPE_CHECKING:  # algo/ imports torch and itself only; the config is read, ne
     from ..config import Config
 
 
+def response_limit(cfg: Config) -> int:
+    """The longest response the sampler may produce, in tokens (multi-turn: observations included)."""
+    return cfg.search.max_response_tokens if cfg.search.enabled else cfg.rollout.max_new_tokens
+
+
 def compute_advantages(cfg: Config, batch: Batch, scores: torch.Tensor, kl_coef: float) -> dict:
     """Fill `batch` with the advantages (and returns, importance weights) of one step's samples;
-    returns their metrics."""
+    returns their metrics. With algorithm.overlong_buffer the scores the advantages see carry DAPO's
+    overlong penalty (the logged rewards do not); with algorithm.mask_truncated the responses cut off
+    at the length limit leave `loss_mask`, so neither the actor's losses nor the critic's count them."""
     alg = cfg.algorithm
     mask = batch["response_mask"]
     n = cfg.rollout.n
     gen = batch.get("loss_mask", mask)  # generated tokens (multi-turn: GAE spans observations, KL does not)
     metrics: dict[str, float] = {}
+    if alg.overlong_buffer:
+        penalty = pm.overlong_penalty(mask.sum(-1), response_limit(cfg), alg.overlong_buffer, alg.overlong_penalty)
+        scores = scores + penalty.to(scores.dtype)
+        metrics["rollout/overlong_penalty_mean"] = float(penalty.mean())
     kl = None
     if "ref_logprobs" in batch and "old_logprobs" in batch:
         kl = pm.kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * gen
@@ -60,4 +71,7 @@ def compute_advantages(cfg: Config, batch: Batch, scores: torch.Tensor, kl_coef:
         raise ValueError(f"no advantage estimator for algorithm.name={alg.name!r}")
     batch["advantages"] = advantages * mask
     metrics["actor/advantages_mean"] = float(pm.masked_mean(advantages, mask))
+    if alg.mask_truncated and "truncated" in batch:
+        batch["loss_mask"] = pm.truncation_mask(gen, batch["truncated"])
+        metrics["actor/truncated_masked"] = float(batch["truncated"].float().mean())
     return metrics

@@ -6,6 +6,8 @@ Layout (N sequences, P prompt positions, R response positions):
     response_mask   [N, R]    1 on real response tokens
     loss_mask       [N, R]    multi-turn rollouts only: 1 on generated response tokens, 0 on the
                               observations the trainer inserted and on padding (see multiturn.py)
+    truncated       [N]       bool, the response was cut off at the length limit (finish_reason
+                              `length`); present when the finish reasons are given
 Roles add per-token tensors of shape [N, R] (logprobs, ref_logprobs, values, advantages, ...).
 
 Also how a step's batch is split between workers: `update_shards` (mini-batches per rank, with the
@@ -18,6 +20,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+from .ppo_math import loss_normalizer
 
 # dtypes numpy holds as they are; bfloat16 travels as its int16 bit pattern.
 _NUMPY_DTYPES = {
@@ -102,9 +106,11 @@ def build_batch(
     pad_id: int,
     engine_logprobs: list[list[float]] | None = None,
     loss_masks: list[list[int] | None] | None = None,
+    finish_reasons: list[str] | None = None,
 ) -> Batch:
     """Pack prompt and response token ids into the padded layout above. `loss_masks` (a Completion's
-    `loss_mask` each; None for an all-generated response) adds `loss_mask` when any is given."""
+    `loss_mask` each; None for an all-generated response) adds `loss_mask` when any is given;
+    `finish_reasons` (a Completion's each) adds `truncated`."""
     width_p = max(len(p) for p in prompts)
     width_r = max(1, max(len(r) for r in responses))
     input_ids = torch.tensor(
@@ -129,13 +135,18 @@ def build_batch(
             [(m if m is not None else [1] * len(r)) + [0] * (width_r - len(r)) for m, r in zip(loss_masks, responses)],
             dtype=torch.float32,
         )
+    if finish_reasons is not None:
+        batch["truncated"] = torch.tensor([reason == "length" for reason in finish_reasons], dtype=torch.bool)
     return batch
 
 
 def update_shards(batch: Batch, world: int, role_cfg, seed: int) -> tuple[list[Batch], list[float]]:
     """Split a step's sequences into mini-batches (shuffled per epoch) and give each rank its
     contiguous part of every mini-batch. Returns the per-rank batches and each mini-batch's global
-    response-token count, the loss normaliser that makes W ranks add up to one big batch."""
+    loss normaliser, which makes W ranks and their micro-batches add up to one big batch: its count of
+    response tokens, or of non-empty responses when `role_cfg.loss_agg_mode` (the actor's) averages
+    over sequences (ppo_math.loss_normalizer)."""
+    mode = getattr(role_cfg, "loss_agg_mode", "token-mean")
     n = batch.size
     mini = role_cfg.mini_batch_size
     gen = torch.Generator().manual_seed(seed)
@@ -145,7 +156,7 @@ def update_shards(batch: Batch, world: int, role_cfg, seed: int) -> tuple[list[B
         order = torch.randperm(n, generator=gen) if n > mini else torch.arange(n)
         for start in range(0, n, mini):
             idx = order[start : start + mini]
-            normalizers.append(max(float(batch["response_mask"][idx].sum()), 1.0))
+            normalizers.append(loss_normalizer(batch["response_mask"][idx], mode))
             for rank, chunk in enumerate(idx.chunk(world)):
                 parts[rank].append(chunk)
     return [batch.select(torch.cat(p)) for p in parts], normalizers

@@ -12,13 +12,20 @@ Conventions
   when they hold inf or nan, and every [B, T] output is 0 on padding.
 
 Loss aggregation and `normalizer`
-  Every loss is a token mean: sum over valid tokens / normalizer, with normalizer = mask.sum()
-  by default. When a mini-batch is split into micro-batches (gradient accumulation) and
-  across data-parallel ranks, pass the GLOBAL number of valid tokens in the mini-batch as
-  `normalizer` on every micro-batch: the accumulated gradient is then exactly the gradient of
-  the mean over all the mini-batch's tokens, whatever the micro-batch sizes. If the
-  data-parallel wrapper AVERAGES gradients over W ranks (DDP and FSDP do), pass
-  global_tokens / W instead, so the average of the ranks' sums is again the global mean.
+  A per-token loss L [B, T] becomes a number in one of four ways (`aggregate_loss`, `LOSS_AGG_MODES`):
+    token-mean               sum_{b,t} L / (number of valid tokens)                  (the default)
+    seq-mean-token-mean      sum_b (sum_t L / n_b) / (number of non-empty sequences)
+    seq-mean-token-sum       sum_{b,t} L / (number of non-empty sequences)
+    seq-mean-token-sum-norm  sum_{b,t} L / (number of non-empty sequences * max_len)
+  where n_b is sequence b's valid-token count and max_len a constant (the longest response the
+  sampler may produce). The denominator is the `normalizer`, a count (of tokens, or of sequences)
+  that `loss_normalizer` computes; by default it is the count of the batch passed in. When a
+  mini-batch is split into micro-batches (gradient accumulation) and across data-parallel ranks,
+  pass the GLOBAL count of the mini-batch (`loss_normalizer` of its whole mask) as `normalizer`
+  on every micro-batch: each mode's numerator is a sum over sequences, so the accumulated
+  gradient is then exactly the gradient of the whole mini-batch's loss, whatever the split. If
+  the data-parallel wrapper AVERAGES gradients over W ranks (DDP and FSDP do), pass the global
+  count / W instead, so the average of the ranks' sums is again the global loss.
 """
 
 import torch
@@ -158,6 +165,33 @@ def token_level_rewards(scores, mask, kl=None, kl_coef=0.0):
     return rewards
 
 
+def overlong_penalty(lengths, max_len, buffer, penalty):
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", arXiv 2503.14476, eq. 13), added to
+    the scores.  lengths [B] (response tokens, int or float) -> [B] float, <= 0.
+
+      p(l) = 0                                                   l <= max_len - buffer
+             -penalty * (l - (max_len - buffer)) / buffer        max_len - buffer < l <= max_len
+             -penalty                                            l > max_len
+    A linear ramp from 0 to -penalty over the last `buffer` tokens before the length limit, so the
+    policy learns to finish before it is cut off; buffer=0 turns it off (all zeros). The paper's
+    penalty is 1 (its reward is in [-1, 1]).
+    """
+    lengths = torch.as_tensor(lengths).float()
+    if buffer <= 0:
+        return torch.zeros_like(lengths)
+    if buffer > max_len:
+        raise ValueError(f"overlong buffer {buffer} is longer than the length limit {max_len}")
+    over = (lengths - (max_len - buffer)).clamp(min=0, max=buffer)
+    return -penalty * over / buffer
+
+
+def truncation_mask(mask, truncated):
+    """The loss mask with truncated responses left out (DAPO's overlong filtering, Yu et al. 2025):
+    a response cut off at the length limit has no final answer to be scored on, so its tokens get no
+    loss.  mask [B, T], truncated [B] bool -> [B, T] in mask's dtype."""
+    return mask * (~truncated.bool()).unsqueeze(-1).to(mask.dtype)
+
+
 def gae_advantages(rewards, values, mask, gamma=1.0, lam=0.95):
     """Generalized Advantage Estimation (Schulman et al. 2016).  [B, T] each -> (adv, returns).
 
@@ -288,27 +322,93 @@ def truncated_importance_weights(logprobs, sampler_logprobs, mask, cap):
 # ----------------------------------------------------------------------------------------------
 
 
-def aggregate_loss(per_token_loss, mask, normalizer=None):
-    """Token mean: sum over valid tokens / normalizer (default mask.sum()).  [B, T] -> 0-dim.
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
-    See the module docstring for the global `normalizer`. An empty batch gives 0 (not nan)
-    with the default normalizer.
+
+def _check_agg_mode(mode):
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+
+
+def loss_normalizer(mask, mode="token-mean"):
+    """The count a loss is divided by under `mode`: valid tokens (token-mean) or sequences with at
+    least one valid token (the seq-mean modes).  mask [B, T] -> python float, at least 1.
+
+    Computed on a whole mini-batch's mask, it is the global `normalizer` that makes micro-batches
+    and ranks add up to that mini-batch (see the module docstring).
     """
+    _check_agg_mode(mode)
+    m = mask.bool()
+    count = m.sum() if mode == "token-mean" else m.any(-1).sum()
+    return max(float(count), 1.0)
+
+
+def aggregate_loss(per_token_loss, mask, normalizer=None, agg_mode="token-mean", max_len=None):
+    """A per-token loss [B, T] as one number (0-dim), by `agg_mode` (see the module docstring).
+
+      token-mean               sum_{b,t} L[b,t] / normalizer
+      seq-mean-token-mean      sum_b (sum_t L[b,t] / n_b) / normalizer      (n_b = valid tokens of b)
+      seq-mean-token-sum       sum_{b,t} L[b,t] / normalizer
+      seq-mean-token-sum-norm  sum_{b,t} L[b,t] / (normalizer * max_len)
+    normalizer: a count of tokens (token-mean) or of non-empty sequences (the others); default
+    `loss_normalizer(mask, agg_mode)`, the batch's own. max_len (seq-mean-token-sum-norm only): the
+    constant per-sequence divisor, default T. That last mode is Dr. GRPO's (Liu et al. 2025,
+    "Understanding R1-Zero-Like Training", arXiv 2503.20783): a constant in place of each
+    response's length removes the bias towards long wrong answers; cloudrl passes the longest
+    response the sampler may produce. verl's mode of that name divides the sum by the constant
+    alone (not by the number of sequences too), which scales the loss by the batch size. An empty
+    batch gives 0 (not nan) with the default normalizer.
+    """
+    _check_agg_mode(agg_mode)
     if normalizer is None:
-        normalizer = mask.bool().sum().clamp(min=1)
+        normalizer = loss_normalizer(mask, agg_mode)
     elif not torch.is_tensor(normalizer) and normalizer <= 0:
-        raise ValueError(f"normalizer must be > 0 (a count of valid tokens), got {normalizer}")
-    return masked_sum(per_token_loss, mask) / normalizer
+        raise ValueError(f"normalizer must be > 0 (a count of valid tokens or sequences), got {normalizer}")
+    m = mask.bool()
+    if agg_mode == "seq-mean-token-mean":
+        per_seq = masked_sum(per_token_loss, m, dim=-1) / m.sum(-1).clamp(min=1)
+        return per_seq.sum() / normalizer
+    total = masked_sum(per_token_loss, m)
+    if agg_mode == "seq-mean-token-sum-norm":
+        return total / (normalizer * (m.shape[-1] if max_len is None else max_len))
+    return total / normalizer
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None, normalizer=None):
+def _clipped_surrogate(ratio, advantages, mask, clip_low, clip_high, dual_clip):
+    """Per-token max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)), capped at
+    -dual_clip * A where A < 0. Returns (losses, clipped taken [B, T] bool, dual cap taken [B, T] bool)."""
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1 (typically 3), or None to disable it; got {dual_clip}")
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    losses = torch.maximum(unclipped, clipped)
+    dual_taken = torch.zeros_like(mask.bool())
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual_taken = (advantages < 0) & (losses > bound)
+        losses = torch.where(dual_taken, bound, losses)
+    return losses, clipped > unclipped, dual_taken
+
+
+def policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=None,
+    normalizer=None,
+    agg_mode="token-mean",
+    max_len=None,
+):
     """Clipped surrogate policy loss.  logprobs, old_logprobs, advantages, mask: [B, T].
 
       ratio = exp(logp - logp_old)
       L_t   = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))   PPO (Schulman 2017);
               clip_high > clip_low is DAPO's "clip-higher" (Yu et al. 2025)
       L_t   = min(L_t, -dual_clip * A)  where A < 0                            dual clip (Ye et al. 2020)
-      loss  = aggregate_loss(L, mask, normalizer)
+      loss  = aggregate_loss(L, mask, normalizer, agg_mode, max_len)
 
     Returns (loss, stats); stats holds python floats over the valid tokens:
       clipfrac       fraction where the clipped branch is the one taken
@@ -316,28 +416,115 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_hig
       approx_kl      mean of k3 = (ratio - 1) - log ratio, the estimate of KL(pi_old || pi)
                      from tokens sampled by pi_old (as in CleanRL)
     """
-    if dual_clip is not None and dual_clip <= 1:
-        raise ValueError(f"dual_clip must be > 1 (typically 3), or None to disable it; got {dual_clip}")
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs, 0)
     advantages = torch.where(m, advantages, 0)
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    losses = torch.maximum(unclipped, clipped)
-    dual_taken = torch.zeros_like(m)
-    if dual_clip is not None:
-        bound = -dual_clip * advantages
-        dual_taken = (advantages < 0) & (losses > bound)
-        losses = torch.where(dual_taken, bound, losses)
-    loss = aggregate_loss(losses, m, normalizer)
+    losses, clip_taken, dual_taken = _clipped_surrogate(ratio, advantages, m, clip_low, clip_high, dual_clip)
+    loss = aggregate_loss(losses, m, normalizer, agg_mode, max_len)
     with torch.no_grad():
         stats = {
-            "clipfrac": masked_mean((clipped > unclipped).float(), m).item(),
+            "clipfrac": masked_mean(clip_taken.float(), m).item(),
             "dual_clipfrac": masked_mean(dual_taken.float(), m).item(),
             "approx_kl": masked_mean(ratio - 1 - log_ratio, m).item(),
         }
     return loss, stats
+
+
+def gspo_policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_low=3e-4,
+    clip_high=4e-4,
+    normalizer=None,
+    agg_mode="seq-mean-token-mean",
+    max_len=None,
+):
+    """GSPO, Group Sequence Policy Optimization (Zheng et al. 2025, arXiv 2507.18071), in its
+    token-level form (GSPO-token).  logprobs, old_logprobs, advantages, mask: [B, T].
+
+      s_b    = exp( sum_t (logp - logp_old)[b, t] / n_b )      sequence-level ratio (n_b valid tokens)
+      s_bt   = sg(s_b) * pi(y_bt) / sg(pi(y_bt))               = s_b in value; d s_bt = s_b * d logp_bt
+      L_t    = max(-A * s_bt, -A * clip(s_bt, 1 - clip_low, 1 + clip_high))
+      loss   = aggregate_loss(L, mask, normalizer, agg_mode, max_len)
+    (sg = stop-gradient.) With A constant over a response, as every group algorithm gives it, the
+    gradient is the paper's sequence-level one: s_b * A_b * mean_t d logp_bt, clipped as a whole
+    sequence. The paper's objective averages over sequences of token-means, `agg_mode`'s default;
+    its clip range is tiny (3e-4 and 4e-4) because a sequence ratio is a geometric mean of token
+    ratios. verl's `compute_policy_loss_gspo` computes the same, but clamps log s_bt at 10 (this
+    does not: the clip bounds a large ratio's loss and takes its gradient away) and always uses
+    seq-mean-token-mean whatever loss_agg_mode says.
+
+    Returns (loss, stats); stats holds python floats:
+      clipfrac     fraction of valid tokens whose sequence ratio is clipped
+      seq_ratio    mean of s_b over the non-empty sequences
+      approx_kl    as in policy_loss, over the token-level ratios
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs, 0)
+    advantages = torch.where(m, advantages, 0)
+    seq_log_ratio = log_ratio.sum(-1) / m.sum(-1).clamp(min=1)
+    token_logprobs = torch.where(m, logprobs, 0)
+    log_s = token_logprobs - token_logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    s = torch.where(m, torch.exp(log_s), 0)
+    losses, clip_taken, _ = _clipped_surrogate(s, advantages, m, clip_low, clip_high, None)
+    loss = aggregate_loss(losses, m, normalizer, agg_mode, max_len)
+    with torch.no_grad():
+        ratio = torch.exp(log_ratio)
+        stats = {
+            "clipfrac": masked_mean(clip_taken.float(), m).item(),
+            "seq_ratio": masked_mean(torch.exp(seq_log_ratio), m.any(-1)).item(),
+            "approx_kl": masked_mean(ratio - 1 - log_ratio, m).item(),
+        }
+    return loss, stats
+
+
+def cispo_policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_low=0.2,
+    clip_high=0.2,
+    normalizer=None,
+    agg_mode="token-mean",
+    max_len=None,
+):
+    """CISPO, Clipped IS-weight Policy Optimization (MiniMax-M1, MiniMax 2025, arXiv 2506.13585).
+    logprobs, old_logprobs, advantages, mask: [B, T].
+
+      ratio = exp(logp - logp_old)
+      w_t   = sg(clip(ratio, 1 - clip_low, 1 + clip_high))          the clipped, detached IS weight
+      L_t   = -w_t * A_t * logp_t                                     a REINFORCE-style loss
+      loss  = aggregate_loss(L, mask, normalizer, agg_mode, max_len)
+    Unlike PPO, no token loses its gradient to the clip: the weight is bounded, the update is not
+    dropped (the paper's point: rare "fork" tokens with large ratios keep contributing). The paper
+    averages over all tokens of the batch (token-mean) and mostly bounds the weight from above only;
+    a large clip_low (up to 1) gets that. verl's `compute_policy_loss_cispo` computes the same but
+    clamps the log-ratio to [-20, 20] first.
+
+    Returns (loss, stats); stats holds python floats over the valid tokens:
+      clipfrac   fraction whose weight was clipped
+      approx_kl  as in policy_loss
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs, 0)
+    advantages = torch.where(m, advantages, 0)
+    ratio = torch.exp(log_ratio)
+    weights = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
+    losses = -weights * advantages * torch.where(m, logprobs, 0)
+    loss = aggregate_loss(losses, m, normalizer, agg_mode, max_len)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((weights != ratio).float(), m).item(),
+            "approx_kl": masked_mean(ratio - 1 - log_ratio, m).item(),
+        }
+    return loss, stats
+
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 
 
 def value_loss(values, old_values, returns, mask, clip_range=0.2, normalizer=None):

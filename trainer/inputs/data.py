@@ -25,7 +25,7 @@ from typing import Any
 from ..config import DataConfig
 from ..errors import DataError, first_line
 from .demo import BUILTIN_ARITHMETIC, arithmetic_problems
-from .hub_data import HF_PREFIX, load_rows, parse_ref
+from .hub_data import HF_PREFIX, check_hub, check_local, load_rows, parse_ref
 
 # Names the reward call passes itself; a file column with one of these names stays out of `extra`.
 RESERVED_COLUMNS = ("completions", "prompts", "ground_truth", "data_source")
@@ -101,6 +101,35 @@ def load_prompts(
     return records
 
 
+def check_prompt_files(files: str, key: str) -> None:
+    """What can be checked of `files` (a data.*_files value) without reading them, in well under a
+    second: each entry's kind, that each file and local dataset directory exists, that the hub answers
+    for a hub dataset. The job runs this before it starts a cluster; `load_prompts` reads them later."""
+    for entry in (f.strip() for f in files.split(",") if f.strip()):
+        if entry.startswith("builtin:"):
+            if entry != BUILTIN_ARITHMETIC:
+                raise DataError(
+                    f"unknown built-in dataset {entry!r} in {key}: the built-in one is {BUILTIN_ARITHMETIC}"
+                )
+        elif entry.startswith(HF_PREFIX):
+            ref = parse_ref(entry[len(HF_PREFIX) :], entry)
+            check_local(ref, entry)
+            check_hub(ref, entry)
+        else:
+            _check_file(Path(entry), key)
+
+
+def _check_file(path: Path, key: str) -> None:
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".parquet"):
+        raise DataError(
+            f"{path}: unsupported file type {suffix or '(none)'!r}: use .jsonl or .parquet files "
+            f"(or hf:DATASET entries) in {key}"
+        )
+    if not path.is_file():
+        raise DataError(f"data file not found: {path} (relative to {Path.cwd()}): check {key}")
+
+
 @dataclass(frozen=True)
 class _Reading:
     """How rows become records: the columns to read, the prompt template and the key errors name."""
@@ -113,15 +142,8 @@ class _Reading:
 
 
 def _file_records(path: Path, tokenizer, how: _Reading) -> list[PromptRecord]:
-    suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".parquet"):
-        raise DataError(
-            f"{path}: unsupported file type {suffix or '(none)'!r}: use .jsonl or .parquet files "
-            f"(or hf:DATASET entries) in {how.key}"
-        )
-    if not path.is_file():
-        raise DataError(f"data file not found: {path} (relative to {Path.cwd()}): check {how.key}")
-    rows = _read_jsonl(path) if suffix == ".jsonl" else _read_parquet(path)
+    _check_file(path, how.key)
+    rows = _read_jsonl(path) if path.suffix.lower() == ".jsonl" else _read_parquet(path)
     if not rows:
         raise DataError(f"{path}: the file has no rows: add prompts or remove it from {how.key}")
     return _rows_to_records(str(path), rows, path.stem, tokenizer, how)

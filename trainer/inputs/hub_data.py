@@ -9,12 +9,20 @@ The syntax is `hf:DATASET[:CONFIG][@SPLIT]`. DATASET is a local directory when i
 `datasets.load_dataset` (which also finds it in the local HF cache when HF_HUB_OFFLINE=1). A
 missing @SPLIT means `train` in data.train_files and `test` in data.val_files.
 
+Before anything is read from the hub, `hub_unreachable` asks its endpoint once (HF_ENDPOINT, bounded
+by PROBE_TIMEOUT_S): a hub that does not answer is one line naming the offline ways at once, instead of
+the hub client's five retries (about 25 s) and a message that calls the dataset "not found".
+
 This module only fetches rows as plain dicts; `data.py` turns them into PromptRecords with the same
 code as file rows. `datasets` is imported only when an `hf:` entry is read.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +30,9 @@ from ..errors import DataError
 
 HF_PREFIX = "hf:"
 _PATH_STARTS = ("/", "./", "../", "~")
+PROBE_TIMEOUT_S = 5.0
+"""How long the hub's endpoint may take to answer one request before it counts as unreachable."""
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,74 @@ def parse_ref(text: str, label: str) -> DatasetRef:
     return DatasetRef(name.strip(), config.strip() if colon else None, split.strip() if split else None)
 
 
+def hub_endpoint() -> str:
+    """The hub the Hugging Face libraries talk to (HF_ENDPOINT, as huggingface_hub reads it)."""
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def hub_offline() -> bool:
+    """The Hugging Face libraries are told to read only their local cache."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on") for name in OFFLINE_VARIABLES)
+
+
+def hub_unreachable(timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why the hub cannot be reached (one request, bounded by `timeout_s`), or None when it answers or
+    when offline mode is on (then nothing is asked of it). Any HTTP answer, an error status too, counts
+    as reachable: the hub's own message is the better one then."""
+    if hub_offline():
+        return None
+    return _probe(hub_endpoint(), timeout_s)
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(endpoint: str, timeout_s: float) -> str | None:
+    """hub_unreachable's one request, asked once per endpoint in a process (a run reads several entries)."""
+    request = urllib.request.Request(endpoint + "/", method="HEAD")
+    try:
+        urllib.request.urlopen(request, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        text = getattr(reason, "strerror", None) or str(reason) or type(reason).__name__
+        return f"{endpoint}: {text.lower() if isinstance(text, str) else text}"
+    return None
+
+
+def dataset_cached(name: str) -> bool:
+    """`datasets` holds a copy of hub dataset `name` in its cache (what HF_HUB_OFFLINE=1 reads)."""
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return (Path(datasets.config.HF_DATASETS_CACHE) / name.replace("/", "___")).is_dir()
+
+
+def check_local(ref: DatasetRef, label: str) -> None:
+    """A local `ref` names an existing directory (what can be checked without reading it)."""
+    if ref.is_local and not Path(ref.name).expanduser().is_dir():
+        raise DataError(
+            f"{label}: no directory {Path(ref.name).expanduser()}: give a directory written by save_to_disk, "
+            f"a directory of data files, or a hub id like openai/gsm8k"
+        )
+
+
+def check_hub(ref: DatasetRef, label: str) -> None:
+    """A hub `ref` can be read: the hub answers, or offline mode is on. One line with the offline ways
+    otherwise (a local copy, or the HF cache when it holds one)."""
+    if ref.is_local:
+        return
+    reason = hub_unreachable()
+    if reason is None:
+        return
+    cached = " (it holds this one)" if dataset_cached(ref.name) else ""
+    raise DataError(
+        f"{label}: the Hugging Face hub does not answer ({reason}), so dataset {ref.name!r} cannot be read "
+        f"from it: set HF_HUB_OFFLINE=1 to read the HF cache{cached}, or use a copy saved with save_to_disk "
+        f"(`cloudrl data NAME --source DIR`, or hf:/path/to/saved in data.train_files)"
+    )
+
+
 def load_rows(ref: DatasetRef, label: str, split_fix: str = "pick one with @SPLIT") -> list[dict]:
     """The rows of `ref.split` as plain dicts (column -> value). Every failure is one-line DataError
     naming `label`; `split_fix` is the advice when the split does not exist."""
@@ -85,13 +164,10 @@ def _import_datasets(label: str):
 
 def _load(datasets, ref: DatasetRef, label: str):
     """Dataset or DatasetDict for `ref`, by where it lives: save_to_disk directory, data-file directory, hub."""
+    check_local(ref, label)
+    check_hub(ref, label)
     if ref.is_local:
         path = Path(ref.name).expanduser()
-        if not path.is_dir():
-            raise DataError(
-                f"{label}: no directory {path}: give a directory written by save_to_disk, "
-                f"a directory of data files, or a hub id like openai/gsm8k"
-            )
         # save_to_disk writes dataset_dict.json (a DatasetDict) or state.json (one Dataset).
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             return _call(lambda: datasets.load_from_disk(str(path)), datasets, ref, label)

@@ -13,6 +13,9 @@ import torch
 
 from ..errors import ModelLoadError, first_line
 from .demo import BUILTIN_PREFIX, materialize_builtin
+from .hub_data import hub_unreachable
+
+_PATH_STARTS = ("/", "./", "../", "~")
 
 
 def quiet_transformers() -> None:
@@ -40,6 +43,47 @@ def resolve_path(path: str, cfg=None) -> str:
             seed=cfg.trainer.seed,
         )
     return materialize_builtin(path[len(BUILTIN_PREFIX) :], **kwargs)
+
+
+def check_model_path(key: str, path: str) -> None:
+    """What can be checked of a model setting without loading it, in well under a second (the job runs
+    this before it starts a cluster): `builtin:` names the built-in model; a path (`/...`, `./...`,
+    `../...`, `~...`, or an existing entry) is a directory; a hub id is reachable, or already in the HF
+    cache. Without this, a missing directory would reach the hub client as a malformed hub id."""
+    if path.startswith(BUILTIN_PREFIX):
+        if path != f"{BUILTIN_PREFIX}tiny":
+            raise ModelLoadError(f"{key}={path}: unknown built-in model: the built-in model is builtin:tiny")
+        return
+    local = Path(path).expanduser()
+    if path.startswith(_PATH_STARTS) or local.exists():
+        if local.is_dir():
+            return
+        what = "is a file, not a model directory" if local.exists() else "does not exist"
+        raise ModelLoadError(
+            f"{key}={path}: the directory {local.resolve() if not local.is_absolute() else local} {what}: give a "
+            f"directory holding config.json and the weights, a hub id like Qwen/Qwen2.5-0.5B-Instruct, or builtin:tiny"
+        )
+    reason = hub_unreachable()
+    if reason is None:
+        return
+    if _hub_model_cached(path):
+        fix = "the HF cache holds it: set HF_HUB_OFFLINE=1 to load it from there"
+    else:
+        fix = (
+            "download it where the hub answers and give its directory, or copy an HF cache that holds it "
+            "($HF_HOME) here and set HF_HUB_OFFLINE=1"
+        )
+    raise ModelLoadError(f"{key}={path}: the Hugging Face hub does not answer ({reason}): {fix}")
+
+
+def _hub_model_cached(repo_id: str) -> bool:
+    """The HF cache holds hub model `repo_id` (its config.json): from_pretrained can load it offline."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # a malformed id: from_pretrained will say so
+        return False
 
 
 def _load(auto_cls, path: str, what: str, **kwargs):

@@ -1,6 +1,7 @@
 """Everything checked and loaded before the trainer joins Ray: the checks that need no cluster, each
 failing in seconds with one line (the run directory, the checkpoint to resume, the reward function,
-the model's tokenizer, the prompts).
+the model's tokenizer, the prompts). With trainer.eval_only, what scoring a model needs instead
+(`eval_inputs`): its checkpoint or model.path, the tokenizer, the validation prompts, the reward.
 
     inputs = prepare(cfg)   # then launch the roles and Trainer(cfg, roles, inputs).fit() (job.py)
 """
@@ -8,10 +9,11 @@ the model's tokenizer, the prompts).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import Config
+from ..errors import DataError
 from ..state import checkpoint
 from ..state.run_dir import resume_point, under_runs_dir
 from .data import PromptRecord, load_prompts
@@ -32,11 +34,34 @@ class Inputs:
     """The checkpoint this run continues from, checked against the config (None: a fresh start)."""
     reward_fn: Callable
     """`reward.function`, resolved (the driver scores with it under `reward.in_driver`)."""
+    val_sets: dict[str, list[PromptRecord]] = field(default_factory=dict)
+    """data.val_sets' prompts, by name."""
 
 
 def prepare(cfg: Config) -> Inputs:
     """The checks that need no cluster; nothing is written to run_dir here (the run's files are
     written once its roles have started). A relative run_dir is placed under $CLOUDRL_RUNS_DIR."""
+    inputs = eval_inputs(cfg) if cfg.trainer.eval_only else train_inputs(cfg)
+    inputs.val_sets = {
+        name: load_prompts(files, inputs.tokenizer, split="val", **_prompt_options(cfg))
+        for name, files in cfg.data.val_sets.items()
+    }
+    return inputs
+
+
+def _prompt_options(cfg: Config) -> dict:
+    d = cfg.data
+    return dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, data_cfg=d, seed=cfg.trainer.seed)
+
+
+def _val_files(cfg: Config) -> str:
+    """data.val_files, or the built-in task's held-out prompts when it trains on the built-in task."""
+    d = cfg.data
+    return d.val_files or ("builtin:arithmetic" if d.train_files == "builtin:arithmetic" else "")
+
+
+def train_inputs(cfg: Config) -> Inputs:
+    """A training run's inputs: the timeline it starts or continues, the model, the prompts."""
     quiet_transformers()
     cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
     checkpoint.forget(cfg.trainer.run_dir)  # this run's timeline is decided below, from run_dir alone
@@ -50,12 +75,32 @@ def prepare(cfg: Config) -> Inputs:
     if resume is not None:
         checkpoint.check_unfinished(resume, cfg.trainer.total_steps)
     checkpoint.begin_timeline(cfg.trainer.run_dir, resume_from, continuing=cfg.trainer.resume == "auto")
-    d = cfg.data
-    common = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, data_cfg=d, seed=cfg.trainer.seed)
-    train_records = load_prompts(d.train_files, tokenizer, split="train", **common)
-    val_files = d.val_files or ("builtin:arithmetic" if d.train_files == "builtin:arithmetic" else "")
-    val_records = load_prompts(val_files, tokenizer, split="val", **common) if val_files else []
+    train_records = load_prompts(cfg.data.train_files, tokenizer, split="train", **_prompt_options(cfg))
+    val_files = _val_files(cfg)
+    val_records = load_prompts(val_files, tokenizer, split="val", **_prompt_options(cfg)) if val_files else []
     return Inputs(model_path, critic_path, tokenizer, train_records, val_records, resume, reward_fn)
+
+
+def eval_inputs(cfg: Config) -> Inputs:
+    """trainer.eval_only: the model to score, its tokenizer, the validation prompts and the reward. The
+    checkpoint is the one trainer.resume picks (auto: run_dir's latest; never: none), checked like a
+    resumed one but finished runs welcome; without one, model.path as it is. No training prompts, and
+    run_dir's timeline is left as it is."""
+    quiet_transformers()
+    cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
+    reward_fn = resolve_reward_fn(cfg.reward.function)
+    model_path = resolve_path(cfg.model.path, cfg)
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    critic_path = resolve_path(cfg.critic.model_path, cfg) if cfg.critic.model_path else model_path
+    found = checkpoint.resolve_resume(cfg.trainer.run_dir, cfg.trainer.resume)
+    resume = open_resume(cfg, found, model_path, critic_path) if found else None
+    val_files = _val_files(cfg)
+    val = load_prompts(val_files, tokenizer, split="val", **_prompt_options(cfg)) if val_files else []
+    if not val and not cfg.data.val_sets:
+        raise DataError(
+            "trainer.eval_only=true has no validation prompts to score: set data.val_files or data.val_sets"
+        )
+    return Inputs(model_path, critic_path, tokenizer, [], val, resume, reward_fn)
 
 
 def open_resume(cfg: Config, path: Path, model_path: str, critic_path: str) -> checkpoint.Checkpoint:

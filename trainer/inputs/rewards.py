@@ -21,6 +21,8 @@ import math
 import numbers
 import re
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -204,12 +206,33 @@ def _load_file(location: str, spec: str):
     module_spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[mod_name] = module
+    # The file's own directory first on sys.path while it runs, as for `python file.py`: a helper module
+    # beside it imports (`from helpers import x`); kept at the end for imports made later, inside calls.
+    folder = str(path.parent.resolve())
+    sys.path.insert(0, folder)
     try:
         module_spec.loader.exec_module(module)
+    except ModuleNotFoundError as exc:
+        del sys.modules[mod_name]
+        raise DataError(_missing_module(path, location, exc)) from exc
     except Exception as exc:
         del sys.modules[mod_name]
         raise DataError(f"loading reward file {path} failed ({type(exc).__name__}: {exc}): fix the file") from exc
+    finally:
+        sys.path.remove(folder)
+        if folder not in sys.path:
+            sys.path.append(folder)
     return module
+
+
+def _missing_module(path: Path, location: str, exc: ModuleNotFoundError) -> str:
+    """The one line for a reward file that imports a module this process cannot find: the file as the
+    user wrote it (not the copy's path on a node) and the fixes (ship your code, or install the package)."""
+    return (
+        f"reward file {location} imports {exc.name or 'a module'!r}, which is neither beside it nor installed "
+        f"({type(exc).__name__}: {exc}): with `cloudrl submit`, ship your code with --workdir . (from the "
+        f"directory that holds it) or install the package with --pip NAME"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,10 +253,46 @@ def reward_columns(records: list[PromptRecord]) -> dict[str, list]:
     return columns
 
 
-def score(fn: RewardFn, completions: list[str], records: list[PromptRecord], spec: str = "") -> list[float]:
+def too_slow(name: str, timeout_s: float, count: int | None = None, where: str = "") -> RewardError:
+    """The one line for a reward call still running after reward.timeout_s; `name` names the function
+    (`reward.function=...`)."""
+    batch = f" on a batch of {count} completions" if count is not None else ""
+    return RewardError(
+        f"{name} did not return within reward.timeout_s={timeout_s:g}s{batch}{where}: make it return sooner "
+        f"(give its network calls a timeout of their own) or raise reward.timeout_s (0 = no limit)"
+    )
+
+
+def _call(fn: RewardFn, completions: list[str], columns: dict, timeout_s: float, name: str):
+    """`fn(completions, **columns)`, in a thread of its own when `timeout_s` > 0 so that a call that never
+    returns ends after `timeout_s` seconds (the thread is left behind: Python cannot stop it, and the run
+    ends anyway)."""
+    if timeout_s <= 0:
+        return fn(completions, **columns)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = fn(completions, **columns)
+        except BaseException as exc:  # handed to the caller, which raises it as its own
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"reward {name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise too_slow(name, timeout_s, len(completions))
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def score(
+    fn: RewardFn, completions: list[str], records: list[PromptRecord], spec: str = "", timeout_s: float = 0.0
+) -> list[float]:
     """Call `fn` on completions aligned with `records` (repeat a prompt's record for each of its
     samples) and check it returned one finite number per completion. `spec` is the
-    `reward.function` value, for messages. Whatever goes wrong is a RewardError of one line."""
+    `reward.function` value, for messages; `timeout_s` bounds the call (reward.timeout_s; 0: no limit). Whatever goes wrong is a RewardError of one line."""
     if len(completions) != len(records):
         raise ValueError(f"score: {len(completions)} completions but {len(records)} records; align them")
     name = (
@@ -241,10 +300,13 @@ def score(fn: RewardFn, completions: list[str], records: list[PromptRecord], spe
         if spec
         else f"reward function {getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
     )
+    limit = timeout_s
     try:
-        result = fn(list(completions), **reward_columns(records))
+        result = _call(fn, list(completions), reward_columns(records), limit, name)
+    except RewardError:
+        raise
     except Exception as exc:
-        raise RewardError(_raised(name, fn, exc, completions, records)) from exc
+        raise RewardError(_raised(name, fn, exc, completions, records, limit)) from exc
     want = f"it must return a list of {len(completions)} numbers, one per completion"
     if hasattr(result, "tolist") and not isinstance(result, (list, tuple)):
         result = result.tolist()  # numpy arrays and torch tensors
@@ -261,13 +323,24 @@ def score(fn: RewardFn, completions: list[str], records: list[PromptRecord], spe
     return [float(v) for v in result]
 
 
-def _raised(name: str, fn: RewardFn, exc: Exception, completions: list[str], records: list[PromptRecord]) -> str:
+def _raised(
+    name: str, fn: RewardFn, exc: Exception, completions: list[str], records: list[PromptRecord], limit: float = 0.0
+) -> str:
     """The one line for a reward function that raised: the exception, where, and the first sample
-    that raises on its own (found by calling the function once per sample, only on this error path)."""
+    that raises on its own (found by calling the function once per sample, only on this error path,
+    within the same time limit)."""
     frame = traceback.extract_tb(exc.__traceback__)[-1]
     text = str(exc).strip().splitlines()
     where = f"{type(exc).__name__}{': ' + text[0][:200] if text else ''} at {Path(frame.filename).name}:{frame.lineno}"
-    first = next((i for i in range(len(completions)) if _fails_alone(fn, completions[i], records[i])), None)
+    if limit > 0 and "main thread" in str(exc):  # signal-based timeouts inside it need the main thread
+        where += " (under reward.timeout_s the function runs in a thread of its own; reward.timeout_s=0 runs it inline)"
+    deadline = time.monotonic() + limit
+
+    def fails_alone(i: int) -> bool:
+        left = deadline - time.monotonic()
+        return (limit <= 0 or left > 0) and _fails_alone(fn, completions[i], records[i], left if limit > 0 else 0.0)
+
+    first = next((i for i in range(len(completions)) if fails_alone(i)), None)
     sample = (
         f"first on sample index {first} of {len(completions)} ({_sample(completions, records, first)})"
         if first is not None
@@ -276,9 +349,11 @@ def _raised(name: str, fn: RewardFn, exc: Exception, completions: list[str], rec
     return f"{name} raised {where}, {sample}: fix the function (CLOUDRL_DEBUG=1 shows the traceback)"
 
 
-def _fails_alone(fn: RewardFn, completion: str, record: PromptRecord) -> bool:
+def _fails_alone(fn: RewardFn, completion: str, record: PromptRecord, limit: float = 0.0) -> bool:
     try:
-        fn([completion], **reward_columns([record]))
+        _call(fn, [completion], reward_columns([record]), limit, "")
+    except RewardError:  # too slow alone: not the sample that raises
+        return False
     except Exception:
         return True
     return False
@@ -289,8 +364,13 @@ def _sample(completions: list[str], records: list[PromptRecord], i: int) -> str:
 
 
 def score_responses(
-    fn: RewardFn, tokenizer, responses: list[list[int]], records: list[PromptRecord], spec: str = ""
+    fn: RewardFn,
+    tokenizer,
+    responses: list[list[int]],
+    records: list[PromptRecord],
+    spec: str = "",
+    timeout_s: float = 0.0,
 ) -> tuple[list[str], list[float]]:
     """Decode generated token ids and score them: what a reward worker and `reward.in_driver` share."""
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    return texts, score(fn, texts, records, spec)
+    return texts, score(fn, texts, records, spec, timeout_s)

@@ -18,8 +18,9 @@ from ..errors import ClusterUnreachable
 from .placement import RoleRequest, check_fits
 
 PROBE_TIMEOUT_S = 3.0
-"""How long the GCS port may take to accept a TCP connection before the address counts as dead
-(ray.init itself would retry for minutes, printing only its own warnings)."""
+"""How long the GCS port may take to accept a TCP connection, and then to answer as a gRPC server,
+before the address counts as dead (ray.init itself would retry for minutes, printing only its own
+warnings)."""
 
 
 def cluster_address(cfg: Config) -> str:
@@ -111,16 +112,51 @@ def _reload_ray_auth() -> None:
 
 
 def probe(address: str, source: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """Raise ClusterUnreachable unless something accepts TCP connections at a `host:port` address
-    (`auto` and `ray://` addresses are left to Ray)."""
+    """Raise ClusterUnreachable unless a gRPC server (a Ray GCS) answers at a `host:port` address, within
+    seconds (`auto` and `ray://` addresses are left to Ray)."""
     host, sep, port = address.rpartition(":")
     if not sep or "://" in address or not port.isdigit():
         return
     try:
-        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+        conn = socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s)
     except OSError as exc:
         reason = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc)).lower()
         raise unreachable(address, source, f"{reason} within {timeout_s:g} s") from None
+    with conn:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):  # TLS first: no plain HTTP/2 to look at
+            return
+        problem = speaks_grpc(conn, timeout_s)
+    if problem:
+        raise unreachable(address, source, f"it accepts connections but is no Ray GCS: {problem}")
+
+
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # length 0, type SETTINGS, no flags, stream 0
+
+
+def speaks_grpc(conn: socket.socket, timeout_s: float) -> str:
+    """Empty when the peer of `conn` answers as a gRPC server does (Ray's GCS is one): the HTTP/2 client
+    preface gets the server's SETTINGS frame back at once, before any call or token check. Otherwise what
+    it did instead: a port forward whose far end is gone, a stuck process or another service. Ray's own
+    connect would retry such a peer for minutes, printing only its C++ warnings."""
+    conn.settimeout(timeout_s)
+    try:
+        conn.sendall(HTTP2_PREFACE + EMPTY_SETTINGS)
+        header = b""
+        while len(header) < 9:
+            chunk = conn.recv(9 - len(header))
+            if not chunk:
+                return "it closed the connection without a word"
+            header += chunk
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except (ConnectionResetError, BrokenPipeError):
+        return "it closed the connection without a word"
+    except OSError as exc:
+        return f"the connection broke ({(exc.strerror or str(exc)).lower()})"
+    if header[3] != 0x04:  # an HTTP/2 server's first frame is its SETTINGS
+        return f"it answered {header[:9]!r}, not HTTP/2 (gRPC)"
+    return ""
 
 
 def unreachable(address: str, source: str, reason: str) -> ClusterUnreachable:

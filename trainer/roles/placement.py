@@ -15,6 +15,7 @@ so a cluster that is too small gives a sentence naming the config keys instead o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..config import Config, ConfigError
@@ -34,6 +35,9 @@ class RoleRequest:
     workers_per_bundle: int
     keys: str
     """The config keys behind this request, for messages."""
+    resource_keys: dict[str, str] = field(default_factory=dict)
+    """The config keys behind the amount of one resource, where they differ from `keys` (the CPUs of a
+    GPU worker come from its cpus_per_worker, not its GPU count)."""
     guests: list[str] = field(default_factory=list)
     """Colocated roles whose workers (own processes) run inside these bundles, on these GPUs."""
     in_process: list[str] = field(default_factory=list)
@@ -53,6 +57,9 @@ class RoleRequest:
 
     def total(self, resource: str) -> float:
         return sum(b.get(resource, 0.0) for b in self.bundles)
+
+    def keys_for(self, resource: str) -> str:
+        return self.resource_keys.get(resource, self.keys)
 
 
 def reference_in_actor(cfg: Config) -> bool:
@@ -108,33 +115,49 @@ def _role_request(cfg: Config, role: str) -> RoleRequest:
         strategy = "STRICT_PACK"
     else:  # one bundle per node, and the nodes must differ
         strategy = "STRICT_SPREAD"
-    unit = (
-        f"{role}.gpus_per_node={rc.gpus_per_node}"
-        if rc.gpus_per_node
-        else (f"{role}.workers_per_node={rc.workers_per_node} x {role}.cpus_per_worker={rc.cpus_per_worker}")
-    )
+    nodes = f"{role}.nodes={rc.nodes}"
+    if rc.gpus_per_node:
+        unit = f"{role}.gpus_per_node={rc.gpus_per_node}"
+        cpus = f"{nodes} x {unit} x {role}.cpus_per_worker={rc.cpus_per_worker}"
+    else:
+        unit = f"{role}.workers_per_node={rc.workers_per_node} x {role}.cpus_per_worker={rc.cpus_per_worker}"
+        cpus = f"{nodes} x {unit}"
+    per_resource = {"CPU": cpus}
+    per_resource.update({name: f"{nodes} x {role}.resources.{name}={rc.resources[name]:g}" for name in rc.resources})
     return RoleRequest(
-        role, [dict(bundle) for _ in range(rc.nodes)], strategy, per_node, keys=f"{role}.nodes={rc.nodes} x {unit}"
+        role,
+        [dict(bundle) for _ in range(rc.nodes)],
+        strategy,
+        per_node,
+        keys=f"{nodes} x {unit}",
+        resource_keys=per_resource,
     )
 
 
 def _rollout_request(cfg: Config) -> RoleRequest:
     r = cfg.rollout
+    engines = f"rollout.num_engines={r.num_engines}"
     if r.engine == "vllm":
         # On a GPU run a vLLM engine always owns its GPUs: the GPU build cannot run on a CPU-only slot.
         on_gpus = r.gpus_per_engine > 0 or r.tensor_parallel_size > 1 or cfg.actor.gpus_per_node > 0
         gpus = float(r.tensor_parallel_size) if on_gpus else 0.0
         cpus = r.cpus_per_engine * r.tensor_parallel_size
-        keys = f"rollout.num_engines={r.num_engines} x rollout.tensor_parallel_size={r.tensor_parallel_size}"
+        keys = f"{engines} x rollout.tensor_parallel_size={r.tensor_parallel_size}"
+        cpu_keys = f"{keys} x rollout.cpus_per_engine={r.cpus_per_engine:g}"
     else:
         gpus, cpus = r.gpus_per_engine, r.cpus_per_engine
-        keys = f"rollout.num_engines={r.num_engines} x rollout.gpus_per_engine={r.gpus_per_engine}"
+        keys = f"{engines} x rollout.gpus_per_engine={r.gpus_per_engine:g}"
+        cpu_keys = f"{engines} x rollout.cpus_per_engine={r.cpus_per_engine:g}"
     bundle = {"CPU": cpus}
     if gpus:
         bundle["GPU"] = gpus
     bundle.update(r.resources)
     bundle = {k: v for k, v in bundle.items() if v > 0}
-    return RoleRequest("rollout", [dict(bundle) for _ in range(r.num_engines)], "PACK", 1, keys=keys)
+    per_resource = {"CPU": cpu_keys}
+    per_resource.update({name: f"{engines} x rollout.resources.{name}={r.resources[name]:g}" for name in r.resources})
+    return RoleRequest(
+        "rollout", [dict(bundle) for _ in range(r.num_engines)], "PACK", 1, keys=keys, resource_keys=per_resource
+    )
 
 
 def plan(cfg: Config) -> list[RoleRequest]:
@@ -188,29 +211,35 @@ def describe_cluster(nodes: list[dict[str, float]]) -> str:
     return "; ".join(f"{count} node{'s' if count > 1 else ''} with {shape}" for shape, count in shapes.items())
 
 
-def check_fits(requests: list[RoleRequest], nodes: list[dict[str, float]]) -> None:
-    """Raise ClusterTooSmall unless every request's bundles (`plan`) can be placed on `nodes` at once.
+def check_fits(requests: list[RoleRequest], nodes: list[dict[str, float]], local: bool = False) -> None:
+    """Raise ClusterTooSmall unless every request's bundles (`plan`) can be placed on `nodes` at once,
+    naming every shortfall in one message: each resource whose total is short, else each role whose
+    bundles find no node. `local`: the cluster is `cloudrl local up`'s, whose own fixes are named.
 
     `nodes` holds each alive node's total resources (Ray's resource names: CPU, GPU, custom ones).
     """
     have = describe_cluster(nodes)
-    # Totals first: the clearest message when a whole resource is missing.
-    # GPUs first: when they are missing, that is the line worth reading, not the CPUs beside them.
+    # Totals first: the clearest message when a whole resource is missing; GPUs lead.
+    short = []
     for resource in sorted({k for req in requests for b in req.bundles for k in b}, key=lambda r: (r != "GPU", r)):
         asked = sum(req.total(resource) for req in requests)
         total = sum(n.get(resource, 0.0) for n in nodes)
         if asked > total + 1e-9:
             who = " + ".join(
-                f"{req.total(resource):g} for {req.role} ({req.keys})" for req in requests if req.total(resource)
+                f"{req.total(resource):g} for {req.role} ({req.keys_for(resource)})"
+                for req in requests
+                if req.total(resource)
             )
-            raise ClusterTooSmall(
-                f"the config asks for {asked:g} {resource} ({who}) but the cluster has {total:g} "
-                f"({have}): lower those keys or add nodes"
-            )
+            short.append((resource, f"{asked:g} {resource} ({who}) but the cluster has {total:g}"))
+    if short:
+        fixes = _fixes(requests, nodes, [r for r, _ in short], local, "lower those keys or add nodes")
+        raise ClusterTooSmall(f"the config asks for {'; and '.join(text for _, text in short)} ({have}): {fixes}")
     # Then shapes: every bundle on one node, strict-spread bundles on distinct nodes.
+    misfits = []
     free = [dict(n) for n in nodes]
     for req in sorted(requests, key=lambda r: -max(b.get("GPU", 0) for b in r.bundles)):
         used_nodes: set[int] = set()
+        placed: list[tuple[int, dict[str, float]]] = []
         for bundle in req.bundles:
             candidates = [
                 i
@@ -223,14 +252,73 @@ def check_fits(requests: list[RoleRequest], nodes: list[dict[str, float]]) -> No
                 spread = f" on {len(req.bundles)} different nodes" if req.strategy == "STRICT_SPREAD" else ""
                 ever = any(all(n.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for n in nodes)
                 where = "free after the other roles" if ever else "at all"
-                raise ClusterTooSmall(
-                    f"{req.role} needs {need} on one node{spread} ({req.keys}), but no node has that much "
-                    f"{where} ({have}): lower those keys, or use nodes with more"
-                )
+                text = f"{req.role} needs {need} on one node{spread} ({req.keys}), but no node has that much {where}"
+                # The resources no node has enough of (none: the bundles need more distinct nodes).
+                lacking = [k for k, v in bundle.items() if not any(n.get(k, 0.0) + 1e-9 >= v for n in free)]
+                misfits.append((text, lacking))
+                for i, taken in placed:  # the role is left out: the others are placed without it
+                    for k, v in taken.items():
+                        free[i][k] += v
+                break
             best = min(candidates, key=lambda i: sum(free[i].values()))  # best fit keeps big nodes free
             for k, v in bundle.items():
                 free[best][k] = free[best].get(k, 0.0) - v
             used_nodes.add(best)
+            placed.append((best, bundle))
+    if misfits:
+        lacking = sorted({k for _, resources in misfits for k in resources})
+        fixes = _fixes(requests, nodes, lacking, local, "lower those keys, or use nodes with more")
+        raise ClusterTooSmall(f"{'; '.join(text for text, _ in misfits)} ({have}): {fixes}")
+
+
+def _fixes(
+    requests: list[RoleRequest], nodes: list[dict[str, float]], short: list[str], local: bool, generic: str
+) -> str:
+    """What to do about a shortfall of the resources `short`: `generic` (the config keys, bigger nodes),
+    and on the local cluster its own switches (its CPUs and GPUs are logical: any count starts anywhere)."""
+    if not local:
+        return generic
+    size = _local_size(requests, nodes, short)
+    if size is None:
+        return generic
+    count, per_node = size
+    up = " ".join([f"cloudrl local up --nodes {count}", *(f"--{r.lower()}s {n}" for r, n in sorted(per_node.items()))])
+    restart = f"restart the local cluster bigger (`cloudrl local down && {up}`"
+    # Its CPUs and GPUs are logical: Ray only counts them; without real GPUs the workers compute on CPU.
+    fixes = [
+        restart
+        + ("; its GPUs are logical: without real ones the workers compute on CPU)" if "GPU" in per_node else ")")
+    ]
+    if "CPU" in short and any(req.role == "reward" or "reward" in req.guests for req in requests):
+        fixes.append("score rule-based rewards in the driver (reward.in_driver=true: no reward workers)")
+    return "; or ".join([generic, *fixes])
+
+
+def _local_size(
+    requests: list[RoleRequest], nodes: list[dict[str, float]], short: list[str]
+) -> tuple[int, dict[str, int]] | None:
+    """The smallest `cloudrl local up` that holds `requests`: (nodes, {CPU/GPU: per node}) for the
+    resources in `short`, or None when more CPUs or GPUs would not do (a custom resource is short)."""
+    if any(r not in ("CPU", "GPU") for r in short):
+        return None
+    spread = max((len(req.bundles) for req in requests if req.strategy == "STRICT_SPREAD"), default=1)
+    count = max(len(nodes), spread)
+    base = [dict(nodes[i]) if i < len(nodes) else dict(nodes[0] if nodes else {}) for i in range(count)]
+    per_node = {}
+    for resource in short:
+        others = {r: 10**6 for r in short if r != resource}
+        least = max(1, math.ceil(sum(req.total(resource) for req in requests) / count))
+        for amount in range(least, least + 4096):
+            trial = [{**node, **others, resource: float(amount)} for node in base]
+            try:
+                check_fits(requests, trial)
+            except ClusterTooSmall:
+                continue
+            per_node[resource] = amount
+            break
+        else:
+            return None
+    return count, per_node
 
 
 @dataclass

@@ -23,6 +23,7 @@ from ..algo.batch import Batch, position_ids
 from ..config import config_from_dict
 from ..errors import TrainerError
 from ..inputs.models import dtype_of
+from .fsdp import ModelKind
 
 
 def forward_logprobs(model, batch: Batch, temperature: float, entropy: str = "none"):
@@ -163,6 +164,38 @@ class TrainableWorker(WorkerBase):
         self.sharded = rc.fsdp and (self.world_size > 1 or self.device.type == "cuda")
         self.compute_dtype = dtype_of(self.cfg.model.dtype)
         self.optimizer = None
+        self._read_on_rank0: dict[int, torch.nn.Module] = {}  # skeleton id -> the model rank 0 read
+
+    def load_model(self, kind: ModelKind, path: str, dtype: str) -> torch.nn.Module:
+        """The role's model from `path`. Unsharded: read here. Sharded: the skeleton on the meta device
+        on every rank, and the weights read by rank 0 alone, kept until `shard` fills every rank's shard
+        from them (so no other rank holds the whole model, in host memory or on its GPU)."""
+        from ..inputs.models import load_causal_lm, load_value_model
+        from .fsdp import skeleton
+
+        load = load_value_model if kind == "value" else load_causal_lm
+        trust = self.cfg.model.trust_remote_code
+        if not self.sharded:
+            return load(path, dtype, trust)
+        model = skeleton(kind, path, dtype_of(dtype), trust)
+        if self.rank == 0:
+            self._read_on_rank0[id(model)] = load(path, dtype, trust)
+        return model
+
+    def place(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> None:
+        """Put a model from `load_model` where it computes: on this worker's device, or sharded over the
+        role's ranks with its weights broadcast from rank 0 (a collective when sharded)."""
+        if not self.sharded:
+            model.to(self.device)
+            return
+        from .fsdp import shard_from_rank0, shard_model
+
+        offload = getattr(self.cfg, self.role).cpu_offload
+        if not next(model.parameters()).is_meta:  # read whole here (a lone rank sharded after it loaded)
+            shard_model(model, compute_dtype, cpu_offload=offload)  # FSDP2 moves each shard where it lives
+            return
+        source = self._read_on_rank0.pop(id(model), None)
+        shard_from_rank0(model, source, compute_dtype, offload, self.device)
 
     def start_training(self, addr: str = "127.0.0.1", port: int = 0) -> None:
         rc = getattr(self.cfg, self.role)
@@ -172,11 +205,7 @@ class TrainableWorker(WorkerBase):
             self.init_process_group(addr, port, cpu_offload=self.sharded and rc.cpu_offload)
         if self.cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.model.to(self.device)
-        if self.sharded:
-            from .fsdp import shard_model
-
-            shard_model(self.model, self.compute_dtype, cpu_offload=rc.cpu_offload)
+        self.place(self.model, self.compute_dtype)
         self.model.train()
         # The fused kernel updates every parameter in one call instead of a dozen small ops each;
         # sharded (DTensor) parameters keep torch's default implementation.

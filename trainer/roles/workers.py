@@ -20,6 +20,7 @@ import time
 import torch
 
 from ..algo import ppo_math as pm
+from ..algo.advantages import response_limit
 from ..algo.batch import Batch, from_wire, to_wire
 from ..errors import TrainerError
 from ..metrics import Accumulator
@@ -47,18 +48,18 @@ class PolicyWorker(TrainableWorker):
     ):
         try:
             super().__init__(cfg_dict, rank, world_size)
-            from ..inputs.models import load_causal_lm, load_tokenizer
+            from ..inputs.models import load_tokenizer
 
             cfg = self.cfg
             model_path = on_this_node(model_path)
             self.model_path = model_path
-            self.model = load_causal_lm(model_path, "float32", cfg.model.trust_remote_code)  # master weights
+            self.model = self.load_model("causal_lm", model_path, "float32")  # master weights
             self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
             self.reference = None
             self.engine = None
             self.last_update_end: float | None = None  # perf_counter when update() last returned
             if with_reference:  # frozen: held in model.dtype, sharded like the policy
-                self.reference = load_causal_lm(model_path, cfg.model.dtype, cfg.model.trust_remote_code)
+                self.reference = self.load_model("causal_lm", model_path, cfg.model.dtype)
                 self.reference.eval().requires_grad_(False)
         except TrainerError as exc:
             self._failed_to_start(exc, rank)
@@ -66,11 +67,7 @@ class PolicyWorker(TrainableWorker):
     def start_training(self, addr: str = "127.0.0.1", port: int = 0) -> None:
         super().start_training(addr, port)
         if self.reference is not None:
-            self.reference.to(self.device)
-            if self.sharded:
-                from .fsdp import shard_model
-
-                shard_model(self.reference, None, cpu_offload=self.cfg.actor.cpu_offload)
+            self.place(self.reference, None)
 
     def generate(self, prompts: list[list[int]], settings) -> list:
         """Rollout inside the actor (`placement.rollout_in_actor`): sample with the policy being
@@ -127,6 +124,7 @@ class PolicyWorker(TrainableWorker):
         acc = Accumulator()
         self.comm_seconds = 0.0
         kl_in_loss = alg.kl_mode == "loss" and kl_coef > 0 and "ref_logprobs" in shard
+        agg = {"agg_mode": actor_cfg.loss_agg_mode, "max_len": response_limit(self.cfg)}
         for mini, norm in zip(shard.chunks(per_rank), normalizers):
             for micro in mini.chunks(actor_cfg.micro_batch_size):
                 micro = to_device(micro, self.device)
@@ -155,22 +153,23 @@ class PolicyWorker(TrainableWorker):
                 advantages = micro["advantages"]
                 if "is_weights" in micro:  # truncated importance weights: trainer over sampler
                     advantages = advantages * micro["is_weights"]
-                loss, stats = pm.policy_loss(
-                    logprobs,
-                    old,
-                    advantages,
-                    mask,
-                    actor_cfg.clip_low,
-                    actor_cfg.clip_high,
-                    actor_cfg.dual_clip or None,
-                    normalizer=norm,
-                )
-                acc.add("actor/pg_loss", loss.item() * norm / max(mask.sum().item(), 1.0), mask.sum().item())
+                clip = (actor_cfg.clip_low, actor_cfg.clip_high)
+                if actor_cfg.policy_loss == "gspo":
+                    loss, stats = pm.gspo_policy_loss(logprobs, old, advantages, mask, *clip, norm, **agg)
+                elif actor_cfg.policy_loss == "cispo":
+                    loss, stats = pm.cispo_policy_loss(logprobs, old, advantages, mask, *clip, norm, **agg)
+                else:
+                    loss, stats = pm.policy_loss(
+                        logprobs, old, advantages, mask, *clip, actor_cfg.dual_clip or None, norm, **agg
+                    )
+                # The micro-batch's own loss, weighted by its own count: their mean is the mini-batch's loss.
+                local = pm.loss_normalizer(mask, actor_cfg.loss_agg_mode)
+                acc.add("actor/pg_loss", loss.item() * norm / local, local)
                 if actor_cfg.entropy_coef:
-                    loss = loss - actor_cfg.entropy_coef * pm.aggregate_loss(entropy, mask, norm)
+                    loss = loss - actor_cfg.entropy_coef * pm.aggregate_loss(entropy, mask, norm, **agg)
                 if kl_in_loss:
                     kl = pm.kl_estimate(logprobs, micro["ref_logprobs"], alg.kl_estimator)
-                    loss = loss + kl_coef * pm.aggregate_loss(kl, mask, norm)
+                    loss = loss + kl_coef * pm.aggregate_loss(kl, mask, norm, **agg)
                     acc.add("actor/kl_loss", pm.masked_mean(kl, mask).item(), mask.sum().item())
                 (loss * self.grad_scale).backward()
                 tokens = mask.sum().item()
@@ -232,10 +231,8 @@ class CriticWorker(TrainableWorker):
     def __init__(self, cfg_dict: dict, model_path: str | NodePaths, rank: int = 0, world_size: int = 1):
         try:
             super().__init__(cfg_dict, rank, world_size)
-            from ..inputs.models import load_value_model
-
             model_path = on_this_node(model_path)
-            self.model = load_value_model(model_path, "float32", self.cfg.model.trust_remote_code)  # master weights
+            self.model = self.load_model("value", model_path, "float32")  # master weights
         except TrainerError as exc:
             self._failed_to_start(exc, rank)
 
@@ -333,7 +330,8 @@ class RewardWorker(WorkerBase):
         from ..inputs.rewards import score_responses
 
         responses = [c.token_ids for c in completions]
-        texts, values = score_responses(self.fn, self.tokenizer, responses, records, self.cfg.reward.function)
+        reward = self.cfg.reward
+        texts, values = score_responses(self.fn, self.tokenizer, responses, records, reward.function, reward.timeout_s)
         scores = torch.tensor(values, dtype=torch.float32)
         if self.reward_model is not None:
             scores += self.cfg.reward.model_weight * self._model_scores([r.prompt_text for r in records], texts)

@@ -21,6 +21,9 @@ many weight versions it lags behind the ones pushed since, which the driver logs
 importance weights (`rollout.logprob_correction_cap`). With `policy_lag=0` every batch is started in
 `take` and the lag is 0.
 
+`refill` is dynamic sampling (`algorithm.dynamic_sampling`): it keeps the prompt groups whose rewards
+differ and asks for more rounds until the batch is full, at most `algorithm.max_sampling_rounds`.
+
 `StepsInFlight` holds the other half of the overlap: with `policy_lag=1` a step's update is collected
 only at the end of the next step, so the driver's step itself reads straight through.
 """
@@ -31,7 +34,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..algo.batch import from_wire, split_evenly
+from ..errors import TrainerError
 from ..metrics import Timer, combine
 from ..waiting import get_all
 from .multiturn import turn_metrics
@@ -51,11 +57,18 @@ class Rollouts:
     score_refs: list | None
     """The reward workers' scores, one call per engine part; None when the driver scores."""
 
-    def scores(self):
-        """The rewards [N], in the completions' order (waits for the reward workers)."""
+    def scores(self, reward_function: str = "", timeout_s: float = 0.0):
+        """The rewards [N], in the completions' order (waits for the reward workers: for each part at most
+        `timeout_s` (reward.timeout_s; 0: no limit) after the one before it, which ran before it on the
+        same worker or beside it). `reward_function` names it in the error."""
         import ray
         import torch
 
+        from ..inputs.rewards import too_slow
+
+        for ref in self.score_refs if timeout_s else ():
+            if not ray.wait([ref], timeout=timeout_s)[0]:
+                raise too_slow(f"reward.function={reward_function}", timeout_s, where=" on a reward worker")
         return torch.cat([from_wire(s) for s in ray.get(self.score_refs)])
 
     def metrics(self, response_mask) -> dict[str, float]:
@@ -235,3 +248,73 @@ class StepsInFlight:
         metrics["perf/tokens_per_s"] = sent.tokens / metrics["timing/step"]
         self.last_finished = now
         return sent.step, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Dynamic sampling (DAPO): keep only the prompt groups whose samples score differently
+# ----------------------------------------------------------------------------------------------
+
+
+class NothingInformative(TrainerError, RuntimeError):
+    """Every round of dynamic sampling found only prompts whose samples all scored the same."""
+
+
+@dataclass
+class Round:
+    """One round of generation: prompts, their n samples each (prompt i's at [i*n, (i+1)*n)) and rewards."""
+
+    prompts: list
+    completions: list
+    scores: torch.Tensor
+    """[len(prompts) * n] rewards."""
+    waited_s: float = 0.0
+
+
+def differing_groups(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """[groups] bool: the prompt groups (n consecutive samples each) whose rewards are not all equal."""
+    groups = scores.view(-1, n)
+    return groups.amax(dim=1) != groups.amin(dim=1)
+
+
+def refill(first: Round, more, size: int, n: int, max_rounds: int) -> tuple[Round, dict[str, float]]:
+    """Dynamic sampling: the first `size` groups of `first` and of further rounds (`more()`: new prompts,
+    generated and scored) whose rewards differ, at most `max_rounds` rounds in all. When the bound is
+    hit with fewer groups kept, equal-score groups fill the batch (in the order generated) so its shape
+    stays fixed; the `rollout/filled_uniform` metric says what share of the batch they are. Returns the
+    batch (all rounds' `waited_s` summed) and the sampling metrics; raises `NothingInformative` when no
+    round kept a single group."""
+    kept: list[tuple[Round, int]] = []
+    uniform: list[tuple[Round, int]] = []
+    generated = 0
+    rounds = 0
+    waited = 0.0
+    current = first
+    while True:
+        rounds += 1
+        generated += len(current.prompts)
+        waited += current.waited_s
+        differ = differing_groups(current.scores, n).tolist()
+        kept += [(current, i) for i, d in enumerate(differ) if d]
+        uniform += [(current, i) for i, d in enumerate(differ) if not d]
+        if len(kept) >= size or rounds >= max_rounds:
+            break
+        current = more()
+    if not kept:
+        raise NothingInformative(
+            f"dynamic sampling: all {generated} prompts of {rounds} rounds (algorithm.max_sampling_rounds="
+            f"{max_rounds}) had samples that all scored the same, so there is nothing to learn from: use an "
+            f"easier task or a stronger starting model, raise rollout.n, or set algorithm.dynamic_sampling=false"
+        )
+    chosen = kept[:size] + uniform[: max(0, size - len(kept))]
+    prompts, completions, scores = [], [], []
+    for source, i in chosen:
+        prompts.append(source.prompts[i])
+        completions += source.completions[i * n : (i + 1) * n]
+        scores.append(source.scores[i * n : (i + 1) * n])
+    metrics = {
+        "rollout/sampling_rounds": float(rounds),
+        "rollout/kept_fraction": len(kept) / generated,
+        "rollout/samples_per_kept": generated / min(len(kept), size),
+        "rollout/filled_uniform": max(0, size - len(kept)) / size,
+    }
+    return Round(prompts, completions, torch.cat(scores), waited), metrics

@@ -1,8 +1,11 @@
 """The trainer's client for a retriever speaking Search-R1's `/retrieve` API (see retriever_server.py).
 
-Rollout workers query the server on their own node (`search.url`, 127.0.0.1 by default): one POST per
-turn with every running sample's query. A request that times out or finds no server is retried
-`search.retries` times with a short back-off; then the rollout stops with one line naming the URL.
+Rollout workers query the server on their own node (`search.url`, 127.0.0.1 by default) once per turn
+with every running sample's query. The server bounds each request (queries, queries x topk passages, body
+bytes: the constants in retriever_server.py, which this client reads, so both sides share one limit), so
+a large batch goes out as several POSTs, one after another, and the results come back in the queries'
+order. A request that times out or finds no server is retried `search.retries` times with a short
+back-off; then the rollout stops with one line naming the URL.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import urllib.error
 import urllib.request
 
 from ..errors import TrainerError
+from . import retriever_server as limits
 
 
 class RetrieverUnavailable(TrainerError, ConnectionError):
@@ -29,6 +33,31 @@ class RetrievalClient:
 
     def retrieve(self, queries: list[str]) -> list[list[dict]]:
         """Each query's passages as `{"document": {...}, "score": s}`, best first."""
+        result: list[list[dict]] = []
+        for chunk in self.requests(queries):
+            result += self._post(chunk)
+        return result
+
+    def requests(self, queries: list[str]) -> list[list[str]]:
+        """`queries` split, in order, into the fewest consecutive requests the server accepts: at most
+        MAX_QUERIES queries, MAX_PASSAGES passages (queries x topk) and MAX_BODY_BYTES of JSON each."""
+        per_request = max(1, min(limits.MAX_QUERIES, limits.MAX_PASSAGES // max(self.topk, 1)))
+        empty = len(json.dumps({"queries": [], "topk": self.topk, "return_scores": True}))
+        chunks: list[list[str]] = []
+        size = empty
+        for query in queries:
+            # json.dumps escapes every non-ASCII character, so its length is the body's byte count;
+            # 2 more for the ", " that joins it to the query before.
+            grows = len(json.dumps(query)) + 2
+            if not chunks or len(chunks[-1]) >= per_request or size + grows > limits.MAX_BODY_BYTES:
+                chunks.append([])
+                size = empty
+            chunks[-1].append(query)
+            size += grows
+        return chunks
+
+    def _post(self, queries: list[str]) -> list[list[dict]]:
+        """One request; retried while the server cannot be reached."""
         body = json.dumps({"queries": queries, "topk": self.topk, "return_scores": True}).encode()
         problem = ""
         for attempt in range(self.retries + 1):

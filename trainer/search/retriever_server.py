@@ -13,8 +13,10 @@ API (one JSON request per POST, JSON answers):
       -> {"result": [[{"document": doc, "score": s}, ...] per query]}   with return_scores
       -> {"result": [[doc, ...] per query]}                            without
     GET /health -> {"status": "ok", "documents": N, "index": "bm25"|"dense", "queries_served": M}
-Bad requests get HTTP 400 with {"error": one line}. Request bodies, queries per request and topk are
-bounded, and a client that stalls mid-request is dropped after `--timeout-s`.
+Bad requests get HTTP 4xx with {"error": one line}. Request bodies, queries per request, topk and the
+passages per reply (queries x topk, and their size) are bounded; a client silent for `--timeout-s` is
+dropped, and one whose request has not fully arrived within twice that (a slow drip) gets HTTP 408.
+At most MAX_CLIENTS connections are served at once; more get HTTP 503.
 
 The module stands alone (the standard library, plus bm25s or faiss and transformers for the index), so
 the cluster bundle ships this one file to every node and runs it as `python retriever_server.py serve`
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,6 +37,12 @@ from pathlib import Path
 MAX_BODY_BYTES = 1 << 20
 MAX_QUERIES = 1024
 MAX_TOPK = 100
+MAX_PASSAGES = 8192
+"""Passages in one reply (queries x topk): a small request must not buy a huge reply."""
+MAX_REPLY_BYTES = 64 << 20
+"""The documents' text in one reply."""
+MAX_CLIENTS = 64
+"""Connections served at once (a thread each)."""
 
 
 class RetrieverIndexError(Exception):
@@ -186,12 +195,29 @@ def load_index(path: Path):
 
 
 class BadRequest(Exception):
-    pass
+    """A request the server refuses: the message (one line) and the HTTP status."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def raw_answer(status: int, error: str) -> bytes:
+    """A whole HTTP response with {"error": error}, for answers sent outside a handler's own flow."""
+    reasons = {408: "Request Timeout", 503: "Service Unavailable"}
+    body = json.dumps({"error": error}).encode()
+    head = (
+        f"HTTP/1.0 {status} {reasons.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
 
 
 def parse_request(body: bytes, default_topk: int) -> tuple[list[str], int, bool]:
     try:
         req = json.loads(body)
+    except RecursionError:
+        raise BadRequest('the body nests too deep: send a flat {"queries": [...]} object') from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest('the body is not JSON: send {"queries": [...], "topk": k, "return_scores": bool}') from None
     queries = req.get("queries") if isinstance(req, dict) else None
@@ -202,6 +228,11 @@ def parse_request(body: bytes, default_topk: int) -> tuple[list[str], int, bool]
     topk = req.get("topk") or default_topk
     if not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
         raise BadRequest(f'"topk" must be an integer from 1 to {MAX_TOPK}, got {topk!r}')
+    if len(queries) * topk > MAX_PASSAGES:
+        raise BadRequest(
+            f"{len(queries)} queries x topk {topk} asks for more than {MAX_PASSAGES} passages in one reply: "
+            f"split the queries over several requests"
+        )
     return queries, topk, bool(req.get("return_scores", False))
 
 
@@ -212,13 +243,44 @@ class RetrieverServer(ThreadingHTTPServer):
         self.index, self.topk, self.timeout_s = index, topk, timeout_s
         self.queries_served = 0
         self.lock = threading.Lock()  # one search at a time: the index is not thread-safe
+        self.clients = threading.BoundedSemaphore(MAX_CLIENTS)
         super().__init__(address, _Handler)
+
+    def process_request(self, request, client_address):
+        """A thread per connection, up to MAX_CLIENTS at once; past that an immediate 503."""
+        if not self.clients.acquire(blocking=False):
+            try:
+                request.sendall(raw_answer(503, f"the retriever serves {MAX_CLIENTS} connections at once: retry"))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.clients.release()
+
+    def handle_error(self, request, client_address):
+        """A client that went away mid-request (dropped as too slow, or gone) is no error worth a traceback."""
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handle_error(request, client_address)
 
     def retrieve(self, queries: list[str], topk: int, with_scores: bool) -> list[list]:
         with self.lock:
             ids, scores = self.index.search(queries, topk) if queries else ([], [])
             self.queries_served += len(queries)
         docs = self.index.docs
+        size = sum(len(docs[i].get("contents", "")) for row in ids for i in row if i >= 0)
+        if size > MAX_REPLY_BYTES:
+            raise BadRequest(
+                f"the reply would hold {size} characters of documents, more than {MAX_REPLY_BYTES}: "
+                f"send fewer queries or a smaller topk",
+                413,
+            )
         if with_scores:
             return [
                 [{"document": docs[i], "score": float(s)} for i, s in zip(row, srow) if i >= 0]
@@ -231,8 +293,45 @@ class _Handler(BaseHTTPRequestHandler):
     server: RetrieverServer
 
     def setup(self):
-        self.timeout = self.server.timeout_s  # a stalled client is dropped
+        self.timeout = self.server.timeout_s  # a client silent this long is dropped
+        self._state = threading.Lock()
+        self._deadline = None
+        self._late = False
         super().setup()
+
+    def handle_one_request(self):
+        """One request, which must arrive whole within twice the timeout: the per-read timeout alone
+        never drops a client that drips a byte at a time."""
+        self._late = False
+        self._deadline = threading.Timer(2 * self.server.timeout_s, self._too_slow)
+        self._deadline.daemon = True
+        self._deadline.start()
+        try:
+            super().handle_one_request()
+        finally:
+            self._deadline.cancel()
+
+    def _too_slow(self) -> None:
+        with self._state:
+            if self._deadline is None:  # the request arrived meanwhile
+                return
+            self._late = True
+        limit = 2 * self.server.timeout_s
+        try:
+            self.request.sendall(raw_answer(408, f"the request did not arrive within {limit:g} s: send it whole"))
+            self.request.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _arrived(self) -> bool:
+        """The request has been read: stop its deadline. False when the deadline already answered it."""
+        with self._state:
+            if self._late:
+                self.close_connection = True
+                return False
+            self._deadline.cancel()
+            self._deadline = None
+            return True
 
     def log_message(self, format, *args):  # one line per request would flood a job's log
         pass
@@ -246,6 +345,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self):
+        if not self._arrived():
+            return
         if self.path.rstrip("/") != "/health":
             return self._send(404, {"error": f"no endpoint {self.path}: use POST /retrieve or GET /health"})
         s = self.server
@@ -256,6 +357,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         if self.path.rstrip("/") != "/retrieve":
+            if not self._arrived():
+                return
             return self._send(404, {"error": f"no endpoint {self.path}: use POST /retrieve or GET /health"})
         try:
             length = int(self.headers.get("Content-Length") or -1)
@@ -263,14 +366,22 @@ class _Handler(BaseHTTPRequestHandler):
             length = -1
         if not 0 <= length <= MAX_BODY_BYTES:
             self.close_connection = True
+            if not self._arrived():
+                return
             return self._send(
                 400 if length < 0 else 413, {"error": f"send a Content-Length of at most {MAX_BODY_BYTES} bytes"}
             )
+        body = self.rfile.read(length)
+        if not self._arrived():
+            return
+        if len(body) < length:  # the client went away mid-body
+            self.close_connection = True
+            return
         try:
-            queries, topk, with_scores = parse_request(self.rfile.read(length), self.server.topk)
+            queries, topk, with_scores = parse_request(body, self.server.topk)
             self._send(200, {"result": self.server.retrieve(queries, topk, with_scores)})
         except BadRequest as e:
-            self._send(400, {"error": str(e)})
+            self._send(e.status, {"error": str(e)})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,9 @@ def _fs(uri: str):
     import fsspec
 
     try:
-        fs, root = fsspec.core.url_to_fs(uri)
+        # A fresh client per use: credentials and endpoints come from the environment as it is now,
+        # and no listing cached by an earlier client hides what another writer changed.
+        fs, root = fsspec.core.url_to_fs(uri, skip_instance_cache=True)
     except (ImportError, ValueError) as exc:
         raise CheckpointError(
             f"trainer.checkpoint_uri={uri} cannot be used ({_reason(exc)}): for s3:// install "

@@ -1,0 +1,60 @@
+"""Overlong handling as a step applies it: the batch's truncation flag from the engines' finish reasons, DAPO's
+soft penalty on the scores the advantages see, and truncated responses left out of the loss mask."""
+
+import pytest
+import torch
+from cloudrl.trainer.algo import ppo_math as pm
+from cloudrl.trainer.algo.advantages import compute_advantages
+from cloudrl.trainer.algo.batch import build_batch
+from cloudrl.trainer.config import load_config
+
+# Four samples of one prompt (rollout.n=4); rollout.max_new_tokens=4 in the local preset.
+RESPONSES = [[5, 6], [5, 6, 7], [5, 6, 7, 8], [5, 6, 7, 8]]
+REASONS = ["stop", "stop", "stop", "length"]
+
+
+def _batch():
+    return build_batch([[1, 2]] * 4, RESPONSES, pad_id=0, finish_reasons=REASONS)
+
+
+def _cfg(*overrides):
+    return load_config(
+        "local",
+        ["algorithm.name=grpo", "rollout.n=4", "data.train_batch_size=1", "algorithm.kl_coef=0"]
+        + ["actor.mini_batch_size=4", "actor.micro_batch_size=4", *overrides],
+    )
+
+
+def test_build_batch_flags_the_responses_cut_at_the_limit():
+    batch = _batch()
+    assert batch["truncated"].tolist() == [False, False, False, True]
+    assert "truncated" not in build_batch([[1]], [[2]], pad_id=0)
+
+
+def test_overlong_penalty_shapes_the_advantages_not_the_logged_scores():
+    scores = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    plain = _batch()
+    compute_advantages(_cfg(), plain, scores.clone(), 0.0)
+    batch = _batch()
+    metrics = compute_advantages(
+        _cfg("algorithm.overlong_buffer=2", "algorithm.overlong_penalty=0.5"), batch, scores, 0.0
+    )
+    assert scores.tolist() == [1.0, 1.0, 1.0, 0.0]  # the caller's scores (logged as the reward) are untouched
+    shaped = scores + torch.tensor([0.0, -0.25, -0.5, -0.5])  # lengths 2, 3, 4, 4 over a buffer of 2 before 4
+    want = pm.broadcast_to_tokens(pm.grpo_advantages(shaped, 4), batch["response_mask"])
+    torch.testing.assert_close(batch["advantages"], want)
+    assert not torch.allclose(batch["advantages"], plain["advantages"])
+    assert metrics["rollout/overlong_penalty_mean"] == pytest.approx(-1.25 / 4)
+
+
+def test_mask_truncated_leaves_cut_responses_out_of_the_loss():
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    kept = _batch()
+    compute_advantages(_cfg(), kept, scores, 0.0)
+    assert "loss_mask" not in kept  # off by default
+    batch = _batch()
+    metrics = compute_advantages(_cfg("algorithm.mask_truncated=true"), batch, scores, 0.0)
+    mask = batch["response_mask"]
+    assert batch["loss_mask"].tolist() == [mask[0].tolist(), mask[1].tolist(), mask[2].tolist(), [0.0] * 4]
+    torch.testing.assert_close(batch["advantages"], kept["advantages"])  # the group statistics keep every sample
+    assert metrics["actor/truncated_masked"] == 0.25
