@@ -311,6 +311,7 @@ def main(argv=None) -> int:
                 pg_loss=stats["actor/pg_loss"],
                 kl=stats.get("actor/kl_loss", 0.0),
                 grad_norm=stats["actor/grad_norm"],
+                **{k: v for k, v in stats.items() if k.startswith("memory/actor_")},  # the worker's own count
             )
         )
         if rank == 0:
@@ -326,7 +327,10 @@ def main(argv=None) -> int:
     mean = {k: sum(s[k] for s in timed) / len(timed) for k in timed[0]}
     update_tps = mean["update_tokens"] / mean["update_s"]
     if cuda:
-        name, peak_mem = torch.cuda.get_device_name(), torch.cuda.max_memory_allocated() / 2**30
+        # The worker reads and resets the peak at each update's end (memory/actor_peak_allocated_gib, the
+        # peak since the update before): the steps' peaks and what came after the last update.
+        worker_peaks = [s.get("memory/actor_peak_allocated_gib", 0.0) for s in steps]
+        name, peak_mem = torch.cuda.get_device_name(), max([torch.cuda.max_memory_allocated() / 2**30, *worker_peaks])
         mfu = 6 * params * update_tps / (args.peak_tflops * 1e12 * world)
     else:
         name = f"cpu {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
@@ -352,6 +356,7 @@ def main(argv=None) -> int:
         "peak_tflops": args.peak_tflops if cuda else None,
         "start_peak_memory_gib": start_peak_gib,
         "start_host_rss_gib": start_rss_gib,
+        **{k: steps[-1][k] for k in steps[-1] if k.startswith("memory/")},  # the last step's, as metrics.jsonl
         "params_changed": len(initial) - len(unchanged),
         "params_total": len(initial),
         "final_pg_loss": steps[-1]["pg_loss"],

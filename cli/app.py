@@ -507,13 +507,26 @@ def local_up(
         ),
     ] = DASHBOARD_PORT,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for all nodes to join.")] = 120.0,
+    debugger: Annotated[
+        str | None,
+        typer.Option(
+            "--debugger",
+            show_default=False,
+            metavar="legacy",
+            help="Run the workers with Ray's pdb, so a breakpoint() in your reward (or in the trainer's workers) "
+            "pauses there until you attach with `ray debug` (the command is printed here and in each job's log). "
+            "Default: off (Ray skips a breakpoint() with a warning). docs/debugging.md.",
+        ),
+    ] = None,
 ) -> None:
     """Start a Ray cluster of N nodes on this machine and wait until every node has joined."""
     from . import local_cluster
     from .ray_api import check_port
 
     check_port("--dashboard-port", dashboard_port, zero_means_any=True)
-    state = local_cluster.up(nodes, cpus, gpus, object_store_mb, dashboard_port, timeout, echo=typer.echo)
+    state = local_cluster.up(
+        nodes, cpus, gpus, object_store_mb, dashboard_port, timeout, echo=typer.echo, debugger=debugger
+    )
     typer.echo(
         f"local cluster up: {nodes} node(s) x {state['cpus_per_node']} CPUs, "
         f"dashboard {state['dashboard_url']}\n"
@@ -522,6 +535,11 @@ def local_up(
         f"submit:  cloudrl submit --local\n"
         f"stop it: cloudrl local down"
     )
+    if state.get("debugger"):
+        typer.echo(
+            f"debugger: {state['debugger']}: a breakpoint() in a worker pauses it until you attach "
+            f"(no token guards it: stop the cluster when done); attach with:\n  {state['debugger_attach']}"
+        )
 
 
 @local_app.command("down", epilog="Example: cloudrl local down")

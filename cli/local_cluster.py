@@ -14,6 +14,13 @@ other address. Everything binds 127.0.0.1 where Ray allows it (the dashboard and
 turns 127.0.0.1 into the machine's own IP for its node address, so the GCS, raylet, job agent and Ray
 Client ports listen on the machine's interfaces as with any `ray start`: the token is what protects
 those. Ray's Prometheus metrics ports (no code execution) stay open, as on any Ray node.
+
+`up(debugger="legacy")` (`cloudrl local up --debugger legacy`, docs/debugging.md) runs the nodes' workers
+with Ray's pdb, as CLOUDRL_DEBUGGER=legacy does on a bundle's nodes: a breakpoint() pauses its worker in a
+pdb on 127.0.0.1 until `ray debug` attaches. Not `post-mortem`: its debugpy listens on the node address,
+which Ray makes this machine's network address. Off by default: without it, Ray 2.60 skips a breakpoint()
+with a warning. The nodes also carry CLOUDRL_DEBUGGER and the attach command, which the trainer prints at
+the start of every job's log.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -62,6 +70,8 @@ NODE_MB = 600
 besides its object store."""
 HEAD_MB = 1200
 """What the head node adds: GCS, dashboard and its modules (~1.1 GB measured)."""
+DEBUGGERS = ("legacy",)
+"""`--debugger` values: those of CLOUDRL_DEBUGGER on a bundle's nodes that keep the debugger on 127.0.0.1."""
 
 Echo = Callable[[str], None]
 """Where a command prints its progress lines: typer.echo from the CLI, print by default."""
@@ -132,14 +142,19 @@ def up(
     dashboard_port: int | None = None,
     timeout_s: float = 120.0,
     echo: Echo = print,
+    debugger: str | None = None,
 ) -> dict[str, Any]:
     """Start the cluster and wait until all its nodes are alive; tear everything down on failure.
-    Ctrl+C at any point stops exactly what this call started, then exits 130 with one line."""
+    Ctrl+C at any point stops exactly what this call started, then exits 130 with one line.
+    `debugger`: None (off) or `legacy` (the module docstring)."""
     if nodes < 1:
         raise CloudrlError(f"--nodes {nodes}: a cluster needs at least 1 node")
+    check_debugger(debugger)
     check_capacity(nodes, object_store_mb)
     try:
-        return _start(nodes, cpus_per_node, gpus_per_node, object_store_mb, dashboard_port, timeout_s, echo)
+        return _start(
+            nodes, cpus_per_node, gpus_per_node, object_store_mb, dashboard_port, timeout_s, echo, debugger or None
+        )
     except KeyboardInterrupt:
         print(
             "interrupted: stopped every Ray node `cloudrl local up` had started; nothing is left running",
@@ -173,6 +188,7 @@ def _start(
     dashboard_port: int | None,
     timeout_s: float,
     echo: Echo,
+    debugger: str | None = None,
 ) -> dict[str, Any]:
     if dashboard_port is None:
         dashboard_port = default_dashboard_port()
@@ -195,6 +211,7 @@ def _start(
         "dashboard_url": None,
         "cpus_per_node": cpus,
         "num_nodes": nodes,
+        "debugger": debugger,
     }
     try:
         with _sigint_deferred():
@@ -208,6 +225,9 @@ def _start(
         url = f"http://127.0.0.1:{dashboard_port}"
         gcs = f"127.0.0.1:{head_ports['port']}"
         state.update(dashboard_url=url, gcs_address=gcs)
+        if debugger:
+            state["debugger_attach"] = attach_command(gcs, state["token_file"], ray_exe)
+        node_env = {**_node_env(token), **debugger_env(debugger, state.get("debugger_attach", ""))}
         for i in range(nodes):
             args = [
                 ray_exe,
@@ -235,7 +255,7 @@ def _start(
                 args.append(f"--address={gcs}")
             args += [f"--{k}=0" for k in SELF_BOUND_PORTS]
             with _sigint_deferred():
-                state["nodes"].append(spawn(args, Path(root) / f"n{i}.log", _node_env(token)))
+                state["nodes"].append(spawn(args, Path(root) / f"n{i}.log", node_env))
                 save_state(state)
             if i == 0:  # workers join a head whose GCS answers; the dashboard comes up right after it
                 _wait_for(lambda: _dashboard_answers(url, token), state, timeout_s, "the head's dashboard to answer")
@@ -293,7 +313,9 @@ def _node_env(token: str | None = None) -> dict[str, str]:
     """The environment of one node's `ray start`: `token`, or that of the cluster the state file names."""
     if token is None:
         token = local_token(load_state() or {}) or ""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    # A debugger is what `up(debugger=...)` asks for, never what this shell happens to hold.
+    dropped = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "CLOUDRL_DEBUGGER", "CLOUDRL_DEBUGGER_ATTACH")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     # Token auth, with this cluster's own token: without it, anyone who reaches the machine's address
     # (or any local user, through 127.0.0.1) could run code here. Set explicitly, never left to Ray's
@@ -307,6 +329,42 @@ def _node_env(token: str | None = None) -> dict[str, str]:
     # `submit` ships files and the job's working directory is Ray's temporary copy of them.
     env.setdefault("CLOUDRL_RUNS_DIR", os.getcwd())
     return env
+
+
+def check_debugger(debugger: str | None) -> None:
+    """A `--debugger` value this cluster can run, checked before any node starts."""
+    if not debugger or debugger in DEBUGGERS:
+        return
+    if debugger == "post-mortem":
+        raise CloudrlError(
+            "--debugger post-mortem is for a cluster's private network, not this machine: its debugpy would "
+            "listen on this machine's network address and takes no token; use --debugger legacy (pdb on "
+            "127.0.0.1, attach with `ray debug`)"
+        )
+    raise CloudrlError(f"--debugger {debugger} is not a debugger here: use --debugger legacy, or leave it out")
+
+
+def attach_command(gcs: str, token_file: str, ray_exe: str = "ray") -> str:
+    """The `ray debug` command that attaches to a paused worker of this cluster. The token is read from
+    its file when the command runs, so it is never printed (nor written into the job's log)."""
+    return (
+        f"RAY_DEBUG=legacy RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$(cat {shlex.quote(token_file)}) "
+        f"{shlex.quote(ray_exe)} debug --address {gcs}"
+    )
+
+
+def debugger_env(debugger: str | None, attach: str) -> dict[str, str]:
+    """What the nodes' environment adds for `debugger`; every Ray worker and job driver inherits it."""
+    if debugger != "legacy":
+        return {}
+    # The pdb on 127.0.0.1 only (never Ray's --ray-debugger-external), and no post-mortem pauses.
+    return {
+        "RAY_DEBUG": "legacy",
+        "REMOTE_PDB_HOST": "127.0.0.1",
+        "RAY_DEBUG_POST_MORTEM": "0",
+        "CLOUDRL_DEBUGGER": debugger,
+        "CLOUDRL_DEBUGGER_ATTACH": attach,
+    }
 
 
 def _pick_dashboard_port(wanted: int, echo: Echo) -> int:

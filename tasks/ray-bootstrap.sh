@@ -242,10 +242,20 @@ if ((RANK == 0)); then
     # Beside the head's `ray start --block`, which `exec` hands this shell's PID: the watcher collects the
     # workers' phase reports, waits until every address in DSTACK_NODES_IPS has an alive Ray node, runs
     # the fabric check, then prints the ready line with each phase's duration. On timeout or a failed
-    # check it names what is wrong and stops the head with SIGTERM, so the job fails.
-    "$PYTHON" "$BRINGUP" watch --ray-pid "$$" --ray-port "$RAY_PORT" --dashboard-port "$DASHBOARD_PORT" \
-        --phase-port "$PHASE_PORT" --timeout "$READY_TIMEOUT" --boot-start "$BOOT_START" \
-        --installed "$INSTALLED" --ray-started "$(date +%s.%N)" "${NODE_IPS[@]}" &
+    # check it names what is wrong and stops the head with SIGTERM, so the job fails (exit status 3). The
+    # subshell waits on it: a watcher that ended any other way without the ready line (its Python did not
+    # start, it was killed) stops the head too, since without it nothing bounds the wait.
+    (
+        status=0
+        "$PYTHON" "$BRINGUP" watch --ray-pid "$$" --ray-port "$RAY_PORT" --dashboard-port "$DASHBOARD_PORT" \
+            --phase-port "$PHASE_PORT" --timeout "$READY_TIMEOUT" --boot-start "$BOOT_START" \
+            --installed "$INSTALLED" --ray-started "$(date +%s.%N)" "${NODE_IPS[@]}" || status=$?
+        if ((status != 0 && status != 3)); then
+            echo "[cloudrl rank 0] error: the bring-up watcher exited with status $status before the cluster" \
+                "was ready (its output above says why); stopped the head: start the cluster again" >&2
+            kill -TERM "$$" 2>/dev/null || true
+        fi
+    ) </dev/null &
     exec "${ray_cli[@]}" start --head --port="$RAY_PORT" --dashboard-host=127.0.0.1 \
         --dashboard-port="$DASHBOARD_PORT" --include-dashboard=true "${start_args[@]}" --block
 fi

@@ -22,7 +22,9 @@ The head only:
 reports (`RANK PHASE EPOCH` lines: `started` when a worker's bootstrap begins, so its image is pulled;
 `installed` once it has cloudrl's Ray), polls Ray's state API until every node of DSTACK_NODES_IPS is alive,
 runs the fabric check, then prints the one ready line with how long each phase took. On timeout it names each
-missing node and what it last reported, and stops the head.
+missing node and what it last reported, and stops the head. The phase reports are best effort: with the phase
+port taken it says so and goes on without them; any failure of the watcher itself stops the head with one
+line, since the watcher is what bounds the wait.
 
 `fabric`: a Ray driver that runs one process per node and an all-reduce across them with torch.distributed
 (NCCL on GPUs, Gloo on CPUs). Prints `fabric check: <backend> over <transport>, N nodes, bus bandwidth
@@ -36,6 +38,7 @@ import argparse
 import fcntl
 import glob
 import json
+import math
 import os
 import signal
 import socket
@@ -46,6 +49,8 @@ import threading
 import time
 
 PHASES = ("started", "installed")
+HEAD_STOPPED = 3
+"""`watch`'s exit status once it has stopped the head; the bootstrap stops the head on any other failure."""
 RANK_LOG = f"[cloudrl rank {os.environ.get('DSTACK_NODE_RANK', '0')}]"
 # Where a node's InfiniBand and EFA devices appear (EFA devices are RDMA devices too). Tests point it at a
 # directory of their own to fake a device.
@@ -119,33 +124,57 @@ def object_store_bytes() -> int:
 
 
 class PhaseListener(threading.Thread):
-    """Collects {rank: {phase: epoch seconds}} from the workers' one-line TCP reports."""
+    """Collects {rank: {phase: epoch seconds}} from the workers' one-line TCP reports, each accepted only
+    from the address of the node whose rank it names. When the port cannot be bound (another service, a
+    second cluster on the host's network), `problem` says why and nothing is collected: the reports only
+    make the waiting lines more precise."""
 
-    def __init__(self, host: str, port: int, size: int):
+    def __init__(self, host: str, port: int, nodes: list[str]):
         super().__init__(daemon=True)
-        self.size, self.phases = size, {}
-        self.sock = socket.create_server((host, port), reuse_port=False)
-        self.sock.settimeout(0.5)
+        self.nodes, self.phases = nodes, {}
         self.closed = False
+        self.problem = ""
+        try:
+            self.sock = socket.create_server((host, port), reuse_port=False)
+        except OSError as e:
+            self.sock = None
+            self.problem = f"{host}:{port} cannot be bound ({os.strerror(e.errno) if e.errno else e})"
+            return
+        self.sock.settimeout(0.5)
 
     def run(self) -> None:
-        while not self.closed:
+        while self.sock is not None and not self.closed:
             try:
-                conn, _ = self.sock.accept()
+                conn, (peer, *_) = self.sock.accept()
             except (TimeoutError, OSError):
                 continue
             with conn:
                 conn.settimeout(2)
                 try:
                     rank, phase, epoch = conn.recv(200).decode("ascii", "replace").split()
-                    if phase in PHASES and 0 < int(rank) < self.size:
-                        self.phases.setdefault(int(rank), {})[phase] = float(epoch)
-                except (ValueError, OSError):
-                    continue  # not a phase report: ignored
+                    rank, when = int(rank), float(epoch)
+                    if (
+                        phase in PHASES
+                        and 0 < rank < len(self.nodes)
+                        and peer == self.nodes[rank]
+                        and 0 < when < math.inf
+                    ):
+                        self.phases.setdefault(rank, {})[phase] = when
+                except (ValueError, OSError, OverflowError):
+                    continue  # not a phase report (or not from that rank's node, or no time): ignored
 
     def close(self) -> None:
         self.closed = True
-        self.sock.close()
+        if self.sock is not None:
+            self.sock.close()
+
+
+def stop_head(ray_pid: int) -> None:
+    """SIGTERM to the head's Ray process (the bootstrap's own PID, which `exec` handed to Ray): the job fails."""
+    try:
+        os.kill(ray_pid, signal.SIGTERM)
+    except ProcessLookupError:  # already gone
+        pass
 
 
 def describe(rank: int, ip: str, phases: dict[str, float], now: float) -> str:
@@ -163,7 +192,13 @@ def describe(rank: int, ip: str, phases: dict[str, float], now: float) -> str:
 def watch(args: argparse.Namespace) -> int:
     ray_pid, port, timeout, expected = args.ray_pid, args.dashboard_port, args.timeout, args.nodes
     start = time.monotonic()
-    listener = PhaseListener(expected[0], args.phase_port, len(expected))
+    listener = PhaseListener(expected[0], args.phase_port, expected)
+    if listener.problem:
+        say(
+            f"warning: the phase port {listener.problem}: the workers' phase reports are off for this bring-up "
+            f"(the wait for every node, its {timeout:.0f}s limit and the fabric check go on); set "
+            "CLOUDRL_PHASE_PORT to a free port to have them"
+        )
     listener.start()
     from ray.util.state import list_nodes  # imported after `start`: the import counts against the timeout
 
@@ -174,7 +209,7 @@ def watch(args: argparse.Namespace) -> int:
             os.kill(ray_pid, 0)
         except ProcessLookupError:
             say("error: the Ray head exited before the cluster was ready")
-            return 1
+            return HEAD_STOPPED
         try:
             nodes = list_nodes(
                 address=f"http://127.0.0.1:{port}",
@@ -199,8 +234,8 @@ def watch(args: argparse.Namespace) -> int:
                 f"join: {'; '.join(lines)}. Check those nodes' logs (dstack logs <run> --job <rank>); raise "
                 "CLOUDRL_READY_TIMEOUT if they are still pulling the image."
             )
-            os.kill(ray_pid, signal.SIGTERM)
-            return 1
+            stop_head(ray_pid)
+            return HEAD_STOPPED
         if elapsed - last_report >= 10:
             last_report = elapsed
             say(
@@ -214,10 +249,19 @@ def watch(args: argparse.Namespace) -> int:
     if os.environ.get("CLOUDRL_FABRIC_CHECK", "1") != "0":
         fabric_start = time.time()
         fabric_argv = [sys.executable, __file__, "fabric", "--ray-port", str(args.ray_port), *expected]
-        check = subprocess.run(fabric_argv, timeout=None)
+        # Its all-reduce has CLOUDRL_FABRIC_TIMEOUT; the rest (joining Ray, scheduling the probes) gets 120 s more.
+        limit = float(os.environ.get("CLOUDRL_FABRIC_TIMEOUT", "300")) + 120
+        try:
+            check = subprocess.run(fabric_argv, timeout=limit)
+        except subprocess.TimeoutExpired:
+            say(
+                f"error: fabric check did not finish within {limit:.0f}s (CLOUDRL_FABRIC_TIMEOUT + 120 s); stopped "
+                "the head. Check that the nodes reach each other on every port; CLOUDRL_FABRIC_CHECK=0 skips the check"
+            )
+            check = subprocess.CompletedProcess(fabric_argv, 1)
         if check.returncode != 0:
-            os.kill(ray_pid, signal.SIGTERM)
-            return 1
+            stop_head(ray_pid)
+            return HEAD_STOPPED
         fabric_s = time.time() - fabric_start
     gpus = sum(int(n.resources_total.get("GPU", 0)) for n in alive.values())
     say(
@@ -266,13 +310,10 @@ def probe(rank: int, world: int, master: str, port: int, size: int) -> dict:
     nccl_log = f"/tmp/cloudrl-fabric-nccl.{os.getpid()}.log"
     if on_gpu:
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", NCCL_DEBUG_FILE=nccl_log)
-    dist.init_process_group(
-        "nccl" if on_gpu else "gloo",
-        init_method=f"tcp://{master}:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    timeout = datetime.timedelta(seconds=120)
+    # A client of the rendezvous the fabric driver holds open (rendezvous_store): no rank binds a port.
+    store = dist.TCPStore(master, port, is_master=False, timeout=timeout)
+    dist.init_process_group("nccl" if on_gpu else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
 
     def timed(tensor, reps: int) -> float:
@@ -308,6 +349,17 @@ def probe(rank: int, world: int, master: str, port: int, size: int) -> dict:
     }
 
 
+def rendezvous_store(host: str):
+    """torch.distributed's rendezvous for the probes, held by this process for the whole check: a TCPStore
+    on a port the kernel picks as it binds, so no other process can take the port between its choice and
+    the probes' connect (a port found free and closed again could be). The probes join it as clients."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, is_master=True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
+
+
 def fabric(expected: list[str], ray_port: int) -> int:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -316,9 +368,8 @@ def fabric(expected: list[str], ray_port: int) -> int:
     ray.init(address=f"{expected[0]}:{ray_port}", logging_level="ERROR", log_to_driver=False)
     by_ip = {n["NodeManagerAddress"]: n for n in ray.nodes() if n["Alive"]}
     gpus = all(by_ip[ip]["Resources"].get("GPU", 0) >= 1 for ip in expected)
-    with socket.socket() as s:  # a free port on the head for torch.distributed's rendezvous
-        s.bind((expected[0], 0))
-        port = s.getsockname()[1]
+    store = rendezvous_store(expected[0])
+    port = store.port
     size = int(os.environ.get("CLOUDRL_FABRIC_BYTES", str(256 << 20 if gpus else 8 << 20)))
     remote = ray.remote(probe)
     refs = [
@@ -405,7 +456,16 @@ def main(argv: list[str]) -> int:
     elif args.command == "object-store":
         print(object_store_bytes())
     elif args.command == "watch":
-        return watch(args)
+        try:
+            return watch(args)
+        except Exception as e:  # the watcher bounds the bring-up: without it the head would wait forever
+            reason = str(e).splitlines()[0] if str(e) else ""
+            say(
+                f"error: the bring-up watcher failed ({type(e).__name__}: {reason}); stopped the head so the "
+                "job fails instead of waiting forever without a ready line: start the cluster again"
+            )
+            stop_head(args.ray_pid)
+            return HEAD_STOPPED
     else:
         return fabric(args.nodes, args.ray_port)
     return 0

@@ -8,8 +8,9 @@ starts a local Ray instance. Examples:
     python -m cloudrl.trainer --preset local --help-config      # every key, its value and meaning
     python -m cloudrl.trainer --preset local --eval-only        # score the latest checkpoint, no training
 
-Expected failures (bad config, missing model, cluster too small) print one line and exit 1; set
-CLOUDRL_DEBUG=1 for the traceback.
+A job's log starts with the keys the command line changed from the preset, as KEY=VALUE lines (the whole
+resolved config goes to run_dir/config.yaml). Expected failures (bad config, missing model, cluster too
+small) print one line and exit 1; set CLOUDRL_DEBUG=1 for the traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import Config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.help_config:  # the preset's values (and the overrides'), not the code's defaults
             print(describe_keys(cfg))
             return 0
+        print(config_changes(args.preset, cfg, preset_alone(args.preset)), flush=True)
+        hint = debugger_hint(os.environ)
+        if hint:  # the job runs on a cluster started with a debugger: say how to attach to a breakpoint()
+            print(hint, flush=True)
         from .driver import train
 
         train(cfg)
@@ -69,6 +78,65 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted (SIGINT) before training started; nothing was saved", file=sys.stderr)
         return 130
     return 0
+
+
+def preset_alone(preset: str) -> Config | None:
+    """The preset's config without the overrides, what a job's changes are counted from; None when the
+    preset is only valid with them (then they are counted from the code's defaults)."""
+    from .config import load_config
+    from .errors import ConfigError
+
+    try:
+        return load_config(preset)
+    except ConfigError:
+        return None
+
+
+def config_changes(preset: str, cfg: Config, base: Config | None = None) -> str:
+    """What the job log shows of the config: the preset's name and the keys where `cfg` differs from
+    `base` (the preset alone; None: the code's defaults), as KEY=VALUE lines. The whole resolved config
+    is the run directory's config.yaml (written once the roles start)."""
+    from .config import Config
+
+    base_values = (base if base is not None else Config()).to_dict()
+    lines = [
+        f"  {section}.{key}={_as_override(value)}"
+        for section, values in cfg.to_dict().items()
+        for key, value in values.items()
+        if value != base_values[section][key]
+    ]
+    against = f"the preset {preset}" if base is not None else f"the defaults (the preset {preset} alone is not valid)"
+    # An eval-only run leaves run_dir's config.yaml as it is (it belongs to the run that trained there).
+    saved = "" if cfg.trainer.eval_only else f"; the whole config: {cfg.trainer.run_dir}/config.yaml"
+    head = (
+        f"cloudrl trainer: {len(lines)} config key(s) differ from {against} (every key with its value: "
+        f"python -m cloudrl.trainer --preset {preset} --help-config{saved})"
+    )
+    return "\n".join([head + (":" if lines else ""), *lines])
+
+
+def _as_override(value) -> str:
+    """A config value as it is written on the command line (`trainer.loggers=[console,jsonl]`)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(_as_override(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_as_override(v)}" for k, v in value.items()) + "}"
+    return "" if value is None else str(value)
+
+
+def debugger_hint(env) -> str | None:
+    """One line for the job log when the cluster's workers run with a debugger (`cloudrl local up
+    --debugger`, which also puts the attach command in CLOUDRL_DEBUGGER_ATTACH), else None."""
+    debugger = env.get("CLOUDRL_DEBUGGER")
+    if not debugger or not env.get("RAY_DEBUG"):  # set in a shell, not by the cluster: no debugger runs
+        return None
+    attach = env.get("CLOUDRL_DEBUGGER_ATTACH") or "docs/debugging.md"
+    return (
+        f"debugger: {debugger}: a breakpoint() in a worker pauses it until you attach (reward.timeout_s=0 keeps "
+        f"a paused reward call from stopping the run): {attach}"
+    )
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ Algorithm = Literal["ppo", "reinforce_pp", GroupAlgorithm]
 KlMode = Literal["reward", "loss"]
 KlEstimator = Literal["k1", "k2", "k3"]
 Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
 ALGORITHMS: tuple[str, ...] = typing.get_args(Algorithm)
 GROUP_ALGORITHMS: tuple[str, ...] = typing.get_args(GroupAlgorithm)
 
@@ -61,6 +62,12 @@ class ModelConfig:
     """Supervised steps on the task's answer format before RL (the built-in task only)."""
     sft_warmup_lr: float = 3e-3
     """Learning rate of the format warm-up."""
+    attn_implementation: AttnImplementation = "sdpa"
+    """Attention kernel of the actor, critic and reference forward passes: sdpa (torch's own, CPU or GPU), eager
+    (plain matmuls), flash_attention_2 (GPUs with the flash-attn package, model.dtype bfloat16 or float16)."""
+    pack_sequences: bool = False
+    """Run the actor, critic and reference forward passes on each micro-batch's sequences concatenated without
+    padding (positions restart and attention stays within each sequence); pays off when lengths vary a lot."""
 
 
 @dataclass
@@ -118,10 +125,11 @@ class RolloutConfig:
     """GPUs per HF engine (vLLM uses tensor_parallel_size). 0 = CPU."""
     cpus_per_engine: float = 1.0
     """CPUs per engine."""
-    gpu_memory_utilization: float = 0.5
-    """vLLM: share of GPU memory for weights and KV cache."""
+    gpu_memory_utilization: float = 0.85
+    """vLLM: share of each engine GPU for weights and KV cache. Unless set, 0.85 where the engines own their
+    GPUs and 0.5 with placement.colocate_all, where the trainers keep their weights and optimizer state."""
     sleep_between_rollouts: bool = False
-    """vLLM: free weights and KV cache while the policy trains (for colocated GPUs)."""
+    """vLLM: free weights and KV cache while the policy trains (always on with placement.colocate_all)."""
     logprob_correction: bool = False
     """Reweight the policy loss with truncated importance weights (trainer vs engine log-probs)."""
     logprob_correction_cap: float = 2.0
@@ -230,6 +238,9 @@ class TrainedRoleConfig(RoleConfig):
     """Sequences per optimizer step (global, across workers)."""
     micro_batch_size: int = 16
     """Sequences per forward/backward on one worker."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of one forward/backward: a micro-batch holds as many sequences as fit (real tokens with
+    model.pack_sequences, else rows x the batch width; a longer sequence goes alone). 0 = micro_batch_size."""
     fsdp: bool = True
     """Shard with FSDP2 when the role has several workers or GPUs (NCCL on GPUs, gloo on CPU)."""
     cpu_offload: bool = False
@@ -270,6 +281,8 @@ class CriticConfig(TrainedRoleConfig):
 class ReferenceConfig(RoleConfig):
     micro_batch_size: int = 32
     """Sequences per forward pass."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of one forward pass, as actor.max_tokens_per_micro_batch (0 = micro_batch_size)."""
 
 
 @dataclass
@@ -296,7 +309,8 @@ class PlacementConfig:
     colocate_critic_reward: bool = False
     """Put reward workers on the critic's GPUs (shared placement group bundles)."""
     colocate_all: bool = False
-    """Hybrid engine: every role and the rollout engines share the actor's GPUs."""
+    """Hybrid engine: every role and the rollout engines share the actor's GPUs; vLLM engines sleep while the
+    policy trains, and the critic updates before the actor, not beside it."""
     rollout_in_actor: bool = False
     """HF engine: the actor's workers generate with the policy they train (no rollout workers, no weight sync)."""
     timeout_s: float = 60.0

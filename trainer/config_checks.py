@@ -216,6 +216,9 @@ RANGES: dict[str, Range] = {
     "actor.entropy_coef": NON_NEGATIVE,
     "critic.clip_value": NON_NEGATIVE,
     "reference.micro_batch_size": COUNT,
+    "actor.max_tokens_per_micro_batch": NON_NEGATIVE,
+    "critic.max_tokens_per_micro_batch": NON_NEGATIVE,
+    "reference.max_tokens_per_micro_batch": NON_NEGATIVE,
     "reward.model_weight": Range(),
     "reward.micro_batch_size": COUNT,
     "reward.timeout_s": NON_NEGATIVE,
@@ -276,6 +279,31 @@ def validate(cfg: Any) -> None:
             "drop one of them (a reward model runs in reward workers)"
         )
     _check_objective(cfg)
+    _check_attention(cfg)
+
+
+def _check_attention(cfg: Any) -> None:
+    """model.attn_implementation against the hardware the roles get and the dtype they compute in. Whether the
+    workers' flash-attn can run is checked on the workers (roles/packing.py); a worker without CUDA (logical GPUs,
+    a rehearsal on CPU) runs sdpa instead."""
+    m = cfg.model
+    if not m.attn_implementation.startswith("flash_attention"):
+        return
+    p = cfg.placement
+    roles = ["actor"]  # with placement.colocate_all the others share the actor's GPUs
+    roles += ["critic"] if cfg.uses_critic and not p.colocate_all else []
+    roles += ["reference"] if cfg.uses_reference and not (p.colocate_all or p.colocate_actor_ref) else []
+    on_cpu = [role for role in roles if getattr(cfg, role).gpus_per_node == 0]
+    if on_cpu:
+        raise ConfigError(
+            f"model.attn_implementation={m.attn_implementation} runs on GPUs only, but {on_cpu[0]}.gpus_per_node=0: "
+            f"give the roles GPUs, or set model.attn_implementation=sdpa"
+        )
+    if m.dtype == "float32":
+        raise ConfigError(
+            f"model.attn_implementation={m.attn_implementation} computes in bfloat16 or float16: set "
+            f"model.dtype=bfloat16, or model.attn_implementation=sdpa"
+        )
 
 
 def response_limit(cfg: Any) -> int:
@@ -362,6 +390,20 @@ def _check_rollout_in_actor(cfg: Any) -> None:
             "(ranks would have to sample in lockstep): set actor.fsdp=false, or drop "
             "placement.rollout_in_actor to use rollout workers"
         )
+
+
+def gpu_dtype_warning(cfg: Any) -> str:
+    """A line for the start of a run whose roles compute on GPUs in float32 (the default, right for CPU),
+    else "". The master weights and the optimizer stay float32 with model.dtype=bfloat16; only the forward
+    and backward passes and the engines' weights change, at half the memory traffic and on the tensor cores."""
+    roles = [cfg.actor, cfg.reference, cfg.reward] + ([cfg.critic] if cfg.uses_critic else [])
+    on_gpus = any(r.gpus_per_node > 0 for r in roles) or cfg.rollout.gpus_per_engine > 0
+    if cfg.model.dtype != "float32" or not on_gpus:
+        return ""
+    return (
+        "warning: model.dtype=float32 computes in full precision on GPUs (about half the speed and twice the "
+        "activation memory): set model.dtype=bfloat16 (the master weights and optimizer stay float32)"
+    )
 
 
 def _check_batches(cfg: Any) -> None:

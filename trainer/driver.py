@@ -290,20 +290,27 @@ class Trainer:
                 batch["values"] = on_every_rank(roles.critic, "values")
 
     def update(self, batch: Batch, kl_coef: float) -> tuple[list, list]:
-        """Send the actor's and the critic's updates (each rank its shard); returns their call refs."""
+        """Send the actor's and the critic's updates (each rank its shard); returns their call refs. They
+        run side by side, except where the critic shares the actor's GPUs (placement.colocate_all): there
+        the critic's update ends before the actor's starts, so each GPU holds one update's activations at
+        a time, and the weight push, which waits for the actor's, finds both done."""
+        import ray
+
         cfg = self.cfg
         roles = self.roles
         if "loss_mask" in batch:  # multi-turn: no policy, KL or value loss on observation tokens
             batch["response_mask"] = batch.pop("loss_mask")
-        actor_keys = ["input_ids", "attention_mask", "response_mask", "advantages"]
-        actor_keys += [k for k in ("old_logprobs", "ref_logprobs", "is_weights", "engine_logprobs") if k in batch]
-        shards, norms = update_shards(batch.only(*actor_keys), roles.actor.world_size, cfg.actor, self.update_seed)
-        actor_refs = [w.update.remote(shard, norms, kl_coef) for w, shard in zip(roles.actor.workers, shards)]
         critic_refs = []
         if cfg.uses_critic:
             critic_batch = batch.only("input_ids", "attention_mask", "response_mask", "values", "returns")
             shards, norms = update_shards(critic_batch, roles.critic.world_size, cfg.critic, self.update_seed)
             critic_refs = [w.update.remote(shard, norms) for w, shard in zip(roles.critic.workers, shards)]
+            if cfg.placement.colocate_all and cfg.actor.gpus_per_node > 0:  # a failure raises when collected
+                ray.wait(critic_refs, num_returns=len(critic_refs), timeout=cfg.trainer.worker_timeout_s)
+        actor_keys = ["input_ids", "attention_mask", "response_mask", "advantages"]
+        actor_keys += [k for k in ("old_logprobs", "ref_logprobs", "is_weights", "engine_logprobs") if k in batch]
+        shards, norms = update_shards(batch.only(*actor_keys), roles.actor.world_size, cfg.actor, self.update_seed)
+        actor_refs = [w.update.remote(shard, norms, kl_coef) for w, shard in zip(roles.actor.workers, shards)]
         return actor_refs, critic_refs
 
     def reward_metrics(self, scores: torch.Tensor) -> dict:

@@ -14,7 +14,10 @@ latest checkpoint (recovery.py), and a worker's expected failure ends the run wi
 
 from __future__ import annotations
 
+import sys
+
 from .config import Config
+from .config_checks import gpu_dtype_warning
 from .inputs.data import check_prompt_files
 from .inputs.models import check_model_path
 from .inputs.prepare import prepare
@@ -36,13 +39,15 @@ def run_job(cfg: Config, trainer_class) -> dict:
 
         check_vllm_available()
     requests = plan(cfg)  # what each role asks of the cluster, decided here once
+    warning = gpu_dtype_warning(cfg)  # a float32 run on GPUs: one line, the run goes on
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     check_inputs(cfg)  # no cluster yet: a missing file fails in well under a second
     started_ray = connect(cfg, requests)
     try:
         preflight(requests)  # a cluster too small fails in seconds, before anything heavy
         fetch_checkpoint(cfg)  # trainer.checkpoint_uri: its newest copy when newer than run_dir's (storage.py)
         inputs = prepare(cfg)
-        print(config_changes(cfg), flush=True)
         # A worker's expected failure ends the run with its own line; SIGTERM/SIGINT stop it after a step.
         with worker_errors(), StopRequest(stop_grace_s(cfg)) as stop:
 
@@ -78,33 +83,3 @@ def check_inputs(cfg: Config) -> None:
     check_prompt_files(cfg.data.val_files, "data.val_files")
     for name, files in cfg.data.val_sets.items():
         check_prompt_files(files, f"data.val_sets.{name}")
-
-
-def config_changes(cfg: Config) -> str:
-    """What the job log shows of the config: the keys that differ from the defaults, as KEY=VALUE lines.
-    The whole resolved config is the run directory's config.yaml (written once the roles start)."""
-    defaults = Config().to_dict()
-    lines = [
-        f"  {section}.{key}={_as_override(value)}"
-        for section, values in cfg.to_dict().items()
-        for key, value in values.items()
-        if value != defaults[section][key]
-    ]
-    # An eval-only run leaves run_dir's config.yaml as it is (it belongs to the run that trained there).
-    saved = "" if cfg.trainer.eval_only else f"; the whole config: {cfg.trainer.run_dir}/config.yaml"
-    head = (
-        f"cloudrl trainer: {len(lines)} config key(s) differ from the defaults (every key and its meaning: "
-        f"python -m cloudrl.trainer --help-config{saved})"
-    )
-    return "\n".join([head + (":" if lines else ""), *lines])
-
-
-def _as_override(value) -> str:
-    """A config value as it is written on the command line (`trainer.loggers=[console,jsonl]`)."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ",".join(_as_override(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_as_override(v)}" for k, v in value.items()) + "}"
-    return "" if value is None else str(value)

@@ -5,8 +5,8 @@ line has a fixed shape that `cloudrl status` reads back from the job logs:
 
     step 3/40 [###.......] | rollout/reward_mean=0.531 actor/pg_loss=-0.012 ... | 1.23 s/step
 
-Also: `Accumulator` and `combine` (a rank's token-weighted statistics, and their means over a role's
-ranks) and the run's summary text.
+Also: `Accumulator` and `combine` (a rank's token-weighted statistics and peaks, and their means and
+maxima over a role's ranks) and the run's summary text.
 """
 
 from __future__ import annotations
@@ -151,29 +151,39 @@ class Timer:
 
 
 class Accumulator:
-    """Token-weighted sums of per-micro-batch statistics on one rank; `combine` merges the ranks' exactly."""
+    """Token-weighted sums of per-micro-batch statistics on one rank, and peaks (memory); `combine` merges
+    the ranks' exactly."""
 
     def __init__(self):
         self.sums: dict[str, float] = {}
         self.weights: dict[str, float] = {}
+        self.peaks: dict[str, float] = {}
 
     def add(self, name: str, value: float, weight: float) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + float(value) * weight
         self.weights[name] = self.weights.get(name, 0.0) + weight
 
+    def peak(self, name: str, value: float) -> None:
+        """A statistic reported as its largest value (over calls and over ranks), not as a mean."""
+        self.peaks[name] = max(self.peaks.get(name, float(value)), float(value))
+
     def result(self) -> dict:
-        return {"sums": self.sums, "weights": self.weights}
+        return {"sums": self.sums, "weights": self.weights, "peaks": self.peaks}
 
 
 def combine(results: list[dict]) -> dict:
-    """Token-weighted means over ranks of the statistics workers accumulated."""
+    """Token-weighted means over ranks of the statistics workers accumulated, and the largest of their peaks
+    (the rank closest to running out of memory is the one to read)."""
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
+    peaks: dict[str, float] = {}
     for r in results:
         for k, v in r["sums"].items():
             sums[k] = sums.get(k, 0.0) + v
             weights[k] = weights.get(k, 0.0) + r["weights"][k]
-    return {k: sums[k] / weights[k] if weights[k] else float("nan") for k in sums}
+        for k, v in r.get("peaks", {}).items():
+            peaks[k] = max(peaks.get(k, v), v)
+    return {**{k: sums[k] / weights[k] if weights[k] else float("nan") for k in sums}, **peaks}
 
 
 SAMPLE_EVERY = 50

@@ -213,6 +213,11 @@ DEPENDENT_DEFAULTS: dict[str, dict[Any, dict[str, Any]]] = {
         "reward": {"algorithm.kl_estimator": "k1"},
         "loss": {"algorithm.kl_estimator": "k3"},
     },
+    # vLLM engines on GPUs of their own take most of them; beside the trainers, half.
+    "placement.colocate_all": {
+        True: {"rollout.gpu_memory_utilization": 0.5},
+        False: {"rollout.gpu_memory_utilization": 0.85},
+    },
 }
 
 

@@ -6,10 +6,12 @@ worker, engine or node restarts the roles from the latest checkpoint inside the 
 
 `run_with_restarts` starts the roles and trains; when Ray reports a dead actor or node (or a collective
 fails because its peer is gone) it prints one line naming the role, rank, node and Ray's reason, shuts
-every role down, waits up to `trainer.restart_wait_s` for the cluster to hold the config again (a
-replacement node joining), starts the roles again and resumes from the latest checkpoint; at most
-`trainer.max_restarts` times, each counted in the `trainer/restarts` metric. What it cannot recover
-from ends with one line saying why and how to resume by hand.
+every role down, waits for the cluster to hold the config again (a replacement node joining), starts
+the roles again and resumes from the latest checkpoint; at most `trainer.max_restarts` times, each
+counted in the `trainer/restarts` metric. The wait and the placement together get `trainer.restart_wait_s`
+from the loss; a node lost for good then ends the run with one line naming it, the roles it held and the
+ways on (a replacement node, or fewer nodes). What it cannot recover from ends with one line saying why
+and how to resume by hand.
 """
 
 from __future__ import annotations
@@ -191,37 +193,147 @@ def find_dead_worker(roles, timeout_s: float = 30.0) -> str | None:
     return None
 
 
-def wait_for_capacity(requests, wait_s: float) -> None:
-    """Until the cluster can hold every role request again (a replacement node has joined), or
-    RecoveryFailed after `wait_s` seconds with the placement check's own words."""
+class Loss:
+    """What a lost worker or node took with it, kept for the line a run ends with when the cluster does
+    not get it back: Ray's words, the nodes the roles ran on (from the places every worker reported when
+    it started: no call to a worker, some are gone) and the node ids the error itself names."""
+
+    def __init__(self, what: str, exc: BaseException | None = None, roles=None):
+        self.what = what
+        self.held: dict[str, dict] = {}
+        """node id -> {"ip": ..., "held": ["actor rank 1", ...], "roles": {"actor", ...}}"""
+        for group in roles.groups() if roles is not None else []:
+            for rank, place in enumerate(getattr(group, "places", None) or []):
+                node = self.held.setdefault(place["node_id"], {"ip": place.get("ip", ""), "held": [], "roles": set()})
+                node["held"].append(f"{group.name} rank {rank}")
+                node["roles"].add(group.name)
+        self.named = self._named_nodes(exc, roles) if exc is not None else []
+
+    def _named_nodes(self, exc: BaseException, roles) -> list[str]:
+        """The held nodes the error points at: the dead actor's node, or a node id in Ray's text."""
+        named = []
+        actor_id = getattr(exc, "actor_id", None)
+        for group in roles.groups() if roles is not None and actor_id else []:
+            for w, place in zip(group.workers, getattr(group, "places", None) or []):
+                if w._actor_id.hex() == actor_id:
+                    named.append(place["node_id"])
+        named += [n for n in re.findall(r"\b[Nn]ode(?: [Ii]d:?| ID:?)? ([0-9a-f]{16,})", str(exc)) if n in self.held]
+        return list(dict.fromkeys(named))
+
+    def gone(self, states: dict[str, bool]) -> list[str]:
+        """The held nodes Ray reports dead or no longer knows (`states`: node id -> alive), else, while
+        Ray still counts them alive (it notices a vanished node only after its health checks fail), the
+        ones the error named (or, with no word from Ray at all, only those)."""
+        dead = [n for n in self.held if not states.get(n, False)] if states else []
+        return dead or self.named
+
+    def describe(self, nodes: list[str]) -> str:
+        if not nodes:
+            return f"lost {self.what}"
+        parts = []
+        for n in nodes:
+            ip = self.held[n]["ip"]
+            parts.append(f"node {ip + ' ' if ip else ''}(id {n[:12]}, held {', '.join(self.held[n]['held'])})")
+        return f"lost {' and '.join(parts)}"
+
+
+def node_states() -> dict[str, bool]:
+    """Every node Ray knows, by id: alive or dead."""
+    import ray
+
+    return {n["NodeID"]: bool(n.get("Alive")) for n in ray.nodes()}
+
+
+def fewer_nodes_keys(cfg, requests, roles: set[str]) -> str:
+    """The config keys that size the roles in `roles` (and the roles colocated with them), as they are now:
+    what to lower to run the same job on fewer nodes."""
+    names = []
+    for req in requests:
+        if req.role in roles or roles & set(req.guests):
+            names += [req.role, *req.guests]
+    names = list(dict.fromkeys(names or [req.role for req in requests]))
+    keys = []
+    for role in names:
+        if role == "rollout":
+            keys.append(f"rollout.num_engines={cfg.rollout.num_engines}")
+        else:
+            keys.append(f"{role}.nodes={getattr(cfg, role).nodes}")
+    return ", ".join(keys)
+
+
+def not_back(cfg, requests, loss: Loss) -> RecoveryFailed:
+    """The one line a run ends with when the cluster could not hold it again within trainer.restart_wait_s:
+    the lost node(s) and what they held, what the cluster has now, and the two ways on."""
+    from .roles.cluster import alive_nodes
+    from .roles.placement import describe_cluster
+
+    try:
+        states = node_states()
+        have = describe_cluster(alive_nodes())
+    except Exception as exc:  # the cluster itself is going away: the line still names the loss
+        states, have = {}, f"unknown ({_first_line(exc)})"
+    gone = loss.gone(states)
+    lost_roles = {role for n in gone for role in loss.held[n]["roles"]}
+    return RecoveryFailed(
+        f"{loss.describe(gone)}; no replacement joined within trainer.restart_wait_s="
+        f"{cfg.trainer.restart_wait_s:g}s (the cluster now has {have}): add a replacement node and "
+        f"{RESUME_BY_HAND}, or run the same job on fewer nodes: lower "
+        f"{fewer_nodes_keys(cfg, requests, lost_roles)} and resubmit with trainer.resume=auto (the latest "
+        f"checkpoint reshards to the new world size)"
+    )
+
+
+def wait_for_capacity(cfg, requests, loss: Loss, deadline: float, poll_s: float = 2.0) -> None:
+    """Until the cluster can hold every role request again (a replacement node has joined), or the
+    one-line RecoveryFailed of `not_back` once the monotonic `deadline` has passed."""
     from .roles.cluster import preflight
     from .roles.placement import ClusterTooSmall
 
-    deadline = time.monotonic() + wait_s
     while True:
         try:
             preflight(requests)
             return
-        except ClusterTooSmall as exc:
+        except ClusterTooSmall:
             if time.monotonic() >= deadline:
-                raise RecoveryFailed(
-                    f"the cluster did not get back the capacity the run needs within "
-                    f"trainer.restart_wait_s={wait_s:g}s ({exc}); once it has, "
-                    f"{RESUME_BY_HAND}"
-                ) from None
-        time.sleep(2.0)
+                raise not_back(cfg, requests, loss) from None
+        time.sleep(max(0.05, min(poll_s, deadline - time.monotonic())))
+
+
+def relaunch(cfg, requests, launch, loss: Loss, deadline: float, poll_s: float = 2.0):
+    """Start the roles again after a loss, all within the monotonic `deadline` (trainer.restart_wait_s
+    after the loss): wait for the capacity, then place the roles with every placement wait cut to the
+    time left. Ray counts a vanished node alive until its health checks fail, so the capacity check can
+    pass while the groups cannot be placed: a placement that timed out is tried again until the deadline."""
+    from .errors import PlacementTimeout
+    from .roles import launch as launching
+
+    while True:
+        wait_for_capacity(cfg, requests, loss, deadline, poll_s)
+        launching.PLACEMENT_DEADLINE = deadline
+        try:
+            return launch()
+        except PlacementTimeout:
+            if time.monotonic() >= deadline:
+                raise not_back(cfg, requests, loss) from None
+        finally:
+            launching.PLACEMENT_DEADLINE = None
+        time.sleep(max(0.05, min(poll_s, deadline - time.monotonic())))
 
 
 def run_with_restarts(cfg, requests, inputs, launch, run) -> dict:
     """Start the roles (`launch()`), train (`run(roles, restarts)`), always shut the roles down, and
-    after a lost worker or node start again from the latest checkpoint, up to trainer.max_restarts times."""
+    after a lost worker or node start again from the latest checkpoint, up to trainer.max_restarts times.
+    Each restart has trainer.restart_wait_s from the loss to get the roles placed again; past it the run
+    ends with one line naming the lost node, what it held and the ways on."""
     from .inputs.prepare import open_resume
 
     restarts = 0
+    loss: Loss | None = None
+    deadline = 0.0
     while True:
         roles = None
         try:
-            roles = launch()
+            roles = launch() if loss is None else relaunch(cfg, requests, launch, loss, deadline)
             return run(roles, restarts)
         except Exception as exc:
             lost = lost_component(exc, roles)
@@ -234,14 +346,19 @@ def run_with_restarts(cfg, requests, inputs, launch, run) -> dict:
                 ) from exc
             restarts += 1
             print(
-                f"lost {lost}; restarting the roles from the latest checkpoint "
-                f"(restart {restarts} of trainer.max_restarts={cfg.trainer.max_restarts})",
+                f"lost {lost}; restarting the roles from the latest checkpoint within trainer.restart_wait_s="
+                f"{cfg.trainer.restart_wait_s:g}s (restart {restarts} of trainer.max_restarts="
+                f"{cfg.trainer.max_restarts})",
                 flush=True,
             )
+            found = Loss(lost, exc, roles)
+            if loss is not None and not found.held:  # lost again while starting: the first loss says where
+                found.held, found.named = loss.held, loss.named
+            loss = found
+            deadline = time.monotonic() + cfg.trainer.restart_wait_s
         finally:
             if roles is not None:
                 roles.shutdown()
-        wait_for_capacity(requests, cfg.trainer.restart_wait_s)
         latest = checkpoint.latest(cfg.trainer.run_dir)
         inputs.resume = open_resume(cfg, latest, inputs.model_path, inputs.critic_path) if latest else None
 

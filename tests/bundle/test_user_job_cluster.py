@@ -131,7 +131,7 @@ def test_a_model_directory_and_a_package_only_on_the_users_machine_reach_every_n
     )
     log = run.stdout + run.stderr
     assert run.returncode == 0 and "SUCCEEDED" in log, log[-6000:]
-    assert f"  path: _external/1/{own.name}\n" in log  # the config was pointed at the shipped copy
+    assert f"model.path=_external/1/{own.name}\n" in log  # the config was pointed at the shipped copy
     # Shipped in the job's working directory, which Ray unpacks on both nodes: found in place.
     assert re.search(rf"model: _external/1/{own.name}: present on all 2 node\(s\)", log), log[-6000:]
     assert len(step_means(log, "rollout/reward_mean")) == 2

@@ -284,12 +284,14 @@ def test_follow_of_a_failing_job_exits_1_with_the_trainers_error(cluster: Cluste
     )
     assert result.exit_code == 1
     assert result.stderr.startswith(
-        f"error: job {job} FAILED: error: cannot load the tokenizer from '/nonexistent/model'"
+        f"error: job {job} FAILED: error: model.path=/nonexistent/model: the directory /nonexistent/model does not exist"
     )
-    assert f"(full logs: cloudrl logs {job} --address {cluster.url})" in result.stderr
+    assert f"(full logs: cloudrl logs {job} --address {cluster.url}; for the job's traceback" in result.stderr
     # `status` and `logs --follow` end with the same line: the trainer's own error, not Ray's exit-code message.
     status = invoke(["status", job, "--address", cluster.url])
-    assert status.output.splitlines()[-1].startswith("error:     cannot load the tokenizer from '/nonexistent/model'")
+    assert status.output.splitlines()[-1].startswith(
+        "error:     model.path=/nonexistent/model: the directory /nonexistent/model does not exist"
+    )
     followed = runner.invoke(app, ["logs", job, "--follow", "--address", cluster.url])
     assert followed.exit_code == 1
     assert followed.stderr.strip().splitlines()[-1] == result.stderr.strip().splitlines()[-1]

@@ -21,11 +21,11 @@ from cloudrl.cli.app import app
 from cloudrl.cli.errors import CloudrlError
 from cloudrl.cli.ray_api import Address
 from cloudrl.cli.shipping import plan_upload, write_zip
+from cloudrl.trainer.__main__ import config_changes, preset_alone
 from cloudrl.trainer.__main__ import main as trainer_main
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.errors import DataError
 from cloudrl.trainer.inputs.rewards import resolve_reward_fn
-from cloudrl.trainer.job import config_changes
 from cloudrl.trainer.roles.placement import ClusterTooSmall, check_fits, plan
 from typer.testing import CliRunner
 
@@ -308,11 +308,23 @@ def test_help_config_shows_the_presets_values(capsys):
     assert "(default" not in lines["rollout.top_p"]  # unchanged keys stay as they were
 
 
-def test_the_job_prints_only_what_differs_from_the_defaults():
-    cfg = load_config("local", ["actor.lr=2e-5", "trainer.loggers=[console,jsonl]"])
-    text = config_changes(cfg)
-    lines = text.splitlines()
-    assert "  actor.lr=2e-05" in lines and "  trainer.loggers=[console,jsonl]" in lines
-    assert "  rollout.top_p=1.0" not in lines  # a default value is not repeated
-    assert len(lines) < len(cfg.to_yaml().splitlines()) / 2
+def test_the_job_prints_only_what_differs_from_its_preset():
+    cfg = load_config("local", ["actor.lr=2e-5", "trainer.loggers=[console,jsonl]", "trainer.total_steps=300"])
+    lines = config_changes("local", cfg, preset_alone("local")).splitlines()
+    assert lines[1:] == ["  actor.lr=2e-05", "  trainer.loggers=[console,jsonl]"]  # what the command line changed
+    # total_steps=300 is the preset's own value, and sft_warmup_steps differs from the code's default only
+    assert not any(line.startswith(("  trainer.total_steps", "  model.sft_warmup_steps")) for line in lines)
+    assert "preset local" in lines[0] and "--preset local --help-config" in lines[0]
     assert f"{cfg.trainer.run_dir}/config.yaml" in lines[0]
+    assert config_changes("local", load_config("local"), preset_alone("local")).startswith(
+        "cloudrl trainer: 0 config key(s) differ from the preset local "
+    )
+
+
+def test_the_trainer_prints_the_changes_once_before_the_job(monkeypatch, capsys):
+    from cloudrl.trainer import driver
+
+    monkeypatch.setattr(driver, "train", lambda cfg: None)
+    assert trainer_main(["--preset", "local", "actor.lr=2e-5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [out[0], "  actor.lr=2e-05"] and out[0].startswith("cloudrl trainer: 1 config key(s) differ")

@@ -48,7 +48,7 @@ def test_in_time_and_raising_reward_calls_behave_as_without_a_limit():
 
 @pytest.mark.ray
 @pytest.mark.parametrize("in_driver", ["false", "true"])
-def test_a_run_whose_reward_hangs_ends_with_one_line(tmp_path, in_driver):
+def test_a_run_whose_reward_hangs_ends_with_one_line(ray_local, tmp_path, in_driver):
     (tmp_path / "slow.py").write_text(SLOW)
     overrides = tiny_overrides(
         tmp_path / "run",
@@ -61,7 +61,10 @@ def test_a_run_whose_reward_hangs_ends_with_one_line(tmp_path, in_driver):
         },
     )
     start = time.monotonic()
-    result = run_trainer(*overrides, env={"CLOUDRL_CACHE": os.environ["CLOUDRL_CACHE"]}, timeout=300)
+    # On the session's Ray instance: the run's roles, the hung reward worker's included, end with the run.
+    result = run_trainer(
+        *overrides, env={"CLOUDRL_CACHE": os.environ["CLOUDRL_CACHE"], "RAY_ADDRESS": ray_local}, timeout=300
+    )
     took = time.monotonic() - start
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

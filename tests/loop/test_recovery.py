@@ -1,24 +1,25 @@
-"""Preemption: SIGTERM (what `cloudrl stop` -> Ray's job stop sends the driver) lets the step in flight
-finish, checkpoints it and ends the run with one line; the checkpoint resumes."""
+"""Preemption: SIGTERM (what `cloudrl stop` -> Ray's job stop sends the driver; Ctrl+C's SIGINT takes the
+same path, tests/loop/test_signals.py) lets the step in flight finish, checkpoints it and ends the run with
+one line; the checkpoint resumes, and metrics.jsonl holds each step once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
 import pytest
 from cloudrl.trainer.state import checkpoint
-from runs import logged_steps, start_trainer, wait_for_step
+from runs import logged_steps, run_trainer, start_trainer, tiny_overrides, wait_for_step
 
 pytestmark = pytest.mark.ray
 
 
-def test_sigterm_during_a_step_leaves_a_checkpoint_of_that_step(ray_local, tmp_path):
+def test_sigterm_during_a_step_leaves_a_checkpoint_of_that_step_and_the_resume_logs_each_step_once(ray_local, tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "driver.log"
-    proc = start_trainer(
-        run_dir, log, ray_local, **{"trainer.total_steps": 50, "trainer.save_every": 0, "trainer.export_hf": "false"}
-    )
+    extra = {"trainer.total_steps": 50, "trainer.save_every": 0, "trainer.export_hf": "false"}
+    proc = start_trainer(run_dir, log, ray_local, **extra)
     try:
         done = wait_for_step(proc, run_dir, log)
         assert not checkpoint.list_checkpoints(str(run_dir))  # save_every=0: none until the end
@@ -41,3 +42,21 @@ def test_sigterm_during_a_step_leaves_a_checkpoint_of_that_step(ray_local, tmp_p
         f"config with trainer.resume=auto to continue from the latest checkpoint"
     ], text[-3000:]
     assert "Traceback" not in text
+
+    # A step logged after the checkpoint by a process then killed before saving it (a second signal, a lost
+    # node), and a line cut short: the resumed run logs that step again, and only its own row remains.
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": last + 1, "time": 0.0, "rollout/reward_mean": -1.0}) + "\n")
+        f.write('{"step": ')
+    resumed = run_trainer(
+        "--preset",
+        "local",
+        *tiny_overrides(run_dir, **{**extra, "trainer.total_steps": last + 1}),
+        env={"RAY_ADDRESS": ray_local},
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {latest} at step {last}" in resumed.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)) and steps[-1] == last + 1, steps
+    assert rows[-1]["rollout/reward_mean"] != -1.0  # the resumed run's own row, not the planted one

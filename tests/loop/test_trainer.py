@@ -36,6 +36,11 @@ def test_exported_model_loads_with_plain_transformers(ray_local, tmp_path):
     out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape[1] > ids.shape[1]
     assert (tmp_path / "summary.json").exists() and (tmp_path / "config.yaml").exists()
+    # Each trained role's step row: its peak memory (on CPU the processes' peak RSS, labelled so) and speed.
+    [row] = [r for r in metric_rows(tmp_path) if r["step"] == 1]
+    for role in ("actor", "critic"):
+        assert 0.01 < row[f"memory/{role}_peak_rss_gib"] < 64 and row[f"perf/{role}_tokens_per_s_per_worker"] > 0
+        assert f"memory/{role}_peak_allocated_gib" not in row
 
     # The export holds the final policy: every tensor in the file equals the last checkpoint's actor
     # weights (cast to the exported dtype), and that policy is not the one the run started from.
@@ -207,7 +212,10 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 # What fails while loading the model, the reward or the run dir; test_bad_input_parse.py has the config corpus.
 
 BAD_INPUTS = [
-    (["model.path=/nonexistent/model"], "cannot load the tokenizer from '/nonexistent/model'"),
+    (
+        ["model.path=/nonexistent/model"],
+        "model.path=/nonexistent/model: the directory /nonexistent/model does not exist",
+    ),
     (["reward.function=exact_mtch"], "exact_match"),
     (["trainer.run_dir=/proc/cloudrl"], "cannot write checkpoints"),
 ]

@@ -4,39 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cloudrl.trainer.algo.batch import build_batch, from_wire, update_shards
+from cloudrl.trainer.algo.batch import from_wire, update_shards
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.inputs.models import resolve_path
-from cloudrl.trainer.roles.launch import ActorGroup, create_placement_group
-from cloudrl.trainer.roles.placement import ClusterTooSmall, check_fits, plan, plan_slots
+from cloudrl.trainer.roles.placement import ClusterTooSmall, check_fits, plan
 from cloudrl.trainer.roles.workers import PolicyWorker
+from policy_groups import fixed_batch, policy_group
 
 pytestmark = pytest.mark.ray
-
-
-def _policy_group(cfg, model_path: str, world: int) -> tuple[ActorGroup, object]:
-    cfg.actor.workers_per_node = world
-    request = plan(cfg)[0]
-    pg = create_placement_group(request, 60)
-    group = ActorGroup("actor", PolicyWorker, pg, plan_slots(cfg, request)["actor"], (cfg.to_dict(), model_path))
-    group.start_training()
-    return group, pg
-
-
-def _fixed_batch(cfg, size: int):
-    gen = torch.Generator().manual_seed(0)
-    prompts = [
-        [int(t) for t in torch.randint(3, 20, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen)]
-        for _ in range(size)
-    ]
-    responses = [
-        [int(t) for t in torch.randint(3, 20, (int(torch.randint(0, 5, (1,), generator=gen)),), generator=gen)]
-        for _ in range(size)
-    ]
-    batch = build_batch(prompts, responses, pad_id=0)
-    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=gen) * batch["response_mask"]
-    batch["old_logprobs"] = -torch.rand(batch["response_mask"].shape, generator=gen) * batch["response_mask"]
-    return batch
 
 
 @pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp2-gloo", "plain-dp"])
@@ -74,11 +49,11 @@ def test_two_workers_match_one_on_the_same_global_batch(ray_local, fsdp):
     ]
     cfg = load_config("local", overrides)
     model_path = resolve_path(cfg.model.path, cfg)
-    batch = _fixed_batch(cfg, 32)
+    batch = fixed_batch(cfg, 32)
     initial = {k: from_wire(v) for k, v in PolicyWorker(cfg.to_dict(), model_path).weights()}
     results = {}
     for world in (1, 2):
-        group, pg = _policy_group(load_config("local", overrides), model_path, world)
+        group, pg = policy_group(load_config("local", overrides), model_path, world)
         try:
             assert [w["sharded"] for w in group.where()] == [fsdp and world > 1] * world
             shards, norms = update_shards(batch, world, cfg.actor, seed=3)

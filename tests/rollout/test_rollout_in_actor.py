@@ -13,8 +13,8 @@ from cloudrl.trainer.driver import train
 from cloudrl.trainer.inputs.models import load_causal_lm, load_tokenizer, resolve_path
 from cloudrl.trainer.roles.placement import plan
 from cloudrl.trainer.rollout.engines import HFEngine, SamplingSettings
+from policy_groups import fixed_batch, policy_group
 from runs import tiny_overrides
-from test_multinode import _fixed_batch, _policy_group
 
 pytestmark = pytest.mark.ray
 
@@ -49,11 +49,11 @@ def test_generation_follows_every_update(ray_local):
     from ray.util import remove_placement_group
 
     cfg, model_path, tokenizer, prompts = _big_step_setup()
-    group, pg = _policy_group(cfg, model_path, world=1)
+    group, pg = policy_group(cfg, model_path, world=1)
     try:
         worker = group.workers[0]
         before = [c.token_ids for c in ray.get(worker.generate.remote(prompts, GREEDY))]
-        shards, norms = update_shards(_fixed_batch(cfg, 32), 1, cfg.actor, seed=1)
+        shards, norms = update_shards(fixed_batch(cfg, 32), 1, cfg.actor, seed=1)
         ray.get(worker.update.remote(shards[0], norms, 0.0))
         after = [c.token_ids for c in ray.get(worker.generate.remote(prompts, GREEDY))]
         weights = ray.get(worker.weights.remote())

@@ -89,6 +89,7 @@ def bare_engine(llm, sleep_level=0):
     """A VLLMEngine around `llm`, without starting vLLM."""
     engine = object.__new__(vllm_engine.VLLMEngine)
     engine.llm, engine.stale, engine._sleeping, engine.sleep_level = llm, False, set(), sleep_level
+    engine.engine_index = 0
     return engine
 
 
@@ -356,6 +357,7 @@ def test_every_llm_call_matches_vllms_signatures(monkeypatch):
     engine.wake()  # already awake: no call
     names = [name for name, _ in calls]
     assert names == [
+        "collective_rpc",  # the sampled call reseeds the sampler (no per-request seeds); the greedy one does not
         "generate",
         "generate",
         "collective_rpc",
@@ -369,11 +371,12 @@ def test_every_llm_call_matches_vllms_signatures(monkeypatch):
         "wake_up",
         "wake_up",
     ]
-    assert calls[9][1]["level"] == 2
-    assert [c[1]["tags"] for c in calls[10:]] == [["weights"], ["kv_cache"]]
+    assert calls[0][1]["method"] == "cloudrl_reseed_sampler"
+    assert calls[10][1]["level"] == 2
+    assert [c[1]["tags"] for c in calls[11:]] == [["weights"], ["kv_cache"]]
     assert {"weights", "kv_cache"} <= set(DEFERRABLE_TAGS)
 
-    rpc = calls[2][1]
+    rpc = calls[3][1]
     assert rpc["method"] == "reload_weights" and hasattr(CPUWorker, "reload_weights")
     for runner in (GPUModelRunner, CPUModelRunner):
         inspect.signature(runner.reload_weights).bind(None, **rpc["kwargs"])

@@ -145,21 +145,65 @@ def update_shards(batch: Batch, world: int, role_cfg, seed: int) -> tuple[list[B
     contiguous part of every mini-batch. Returns the per-rank batches and each mini-batch's global
     loss normaliser, which makes W ranks and their micro-batches add up to one big batch: its count of
     response tokens, or of non-empty responses when `role_cfg.loss_agg_mode` (the actor's) averages
-    over sequences (ppo_math.loss_normalizer)."""
+    over sequences (ppo_math.loss_normalizer). With a token budget (`max_tokens_per_micro_batch`) each
+    rank still gets as many sequences, chosen so that the ranks' token counts are close (`by_tokens`)."""
     mode = getattr(role_cfg, "loss_agg_mode", "token-mean")
     n = batch.size
     mini = role_cfg.mini_batch_size
     gen = torch.Generator().manual_seed(seed)
     parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
     normalizers: list[float] = []
+    balance = world > 1 and getattr(role_cfg, "max_tokens_per_micro_batch", 0) > 0
+    tokens = batch["attention_mask"].sum(1) if balance else None
     for _ in range(role_cfg.ppo_epochs):
         order = torch.randperm(n, generator=gen) if n > mini else torch.arange(n)
         for start in range(0, n, mini):
             idx = order[start : start + mini]
             normalizers.append(loss_normalizer(batch["response_mask"][idx], mode))
-            for rank, chunk in enumerate(idx.chunk(world)):
+            for rank, chunk in enumerate(by_tokens(idx, tokens[idx], world) if balance else idx.chunk(world)):
                 parts[rank].append(chunk)
     return [batch.select(torch.cat(p)) for p in parts], normalizers
+
+
+def by_tokens(idx: torch.Tensor, tokens: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """`idx` dealt to `world` ranks, the same number each (len(idx) divides by world), longest first to
+    the rank with the fewest tokens so far that still takes sequences. Which rank trains a sequence
+    changes no result: the loss normaliser is the whole mini-batch's."""
+    share = len(idx) // world
+    ranks: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for i in torch.argsort(tokens, descending=True, stable=True).tolist():
+        rank = min((r for r in range(world) if len(ranks[r]) < share), key=lambda r: load[r])
+        ranks[rank].append(int(idx[i]))
+        load[rank] += int(tokens[i])
+    return [torch.tensor(sorted(r), dtype=idx.dtype) for r in ranks]
+
+
+def token_groups(lengths: list[int], budget: int, at_least: int = 1) -> list[list[int]]:
+    """Indices of sequences of `lengths` tokens grouped into micro-batches of at most `budget` tokens each
+    (first fit, longest first; a sequence longer than the budget goes alone), and at least `at_least` groups
+    (at most one per sequence): the largest groups are halved until there are (sharded ranks must run the
+    same number of forward passes). Each group's indices ascend. The loss normalisers are global
+    (`update_shards`), so the grouping changes no result."""
+    groups: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for g, tokens in enumerate(used):
+            if tokens + lengths[i] <= budget:
+                groups[g].append(i)
+                used[g] += lengths[i]
+                break
+        else:
+            groups.append([i])
+            used.append(lengths[i])
+    while len(groups) < min(at_least, len(lengths)):
+        g = max((g for g in range(len(groups)) if len(groups[g]) > 1), key=lambda g: used[g])
+        half = groups[g][len(groups[g]) // 2 :]
+        groups[g] = groups[g][: len(groups[g]) // 2]
+        used[g] -= sum(lengths[i] for i in half)
+        groups.append(half)
+        used.append(sum(lengths[i] for i in half))
+    return [sorted(g) for g in groups]
 
 
 def split_batch(batch: Batch, parts: int) -> list[Batch]:

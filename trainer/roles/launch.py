@@ -138,11 +138,20 @@ class Roles:
             remove_placement_group(pg)
 
 
+PLACEMENT_DEADLINE: float | None = None
+"""A time.monotonic() no placement wait goes past (at least 1 s each): while recovery.py restarts the
+roles, the end of trainer.restart_wait_s."""
+
+
 def create_placement_group(request: RoleRequest, timeout_s: float):
     """A placement group that is ready, or PlacementTimeout naming the keys (and nothing left behind)."""
+    import time
+
     import ray
     from ray.util import placement_group, remove_placement_group
 
+    if PLACEMENT_DEADLINE is not None:
+        timeout_s = min(timeout_s, max(1.0, PLACEMENT_DEADLINE - time.monotonic()))
     pg = placement_group(request.bundles, strategy=request.strategy, name=f"cloudrl-{request.role}")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import socket
 import time
@@ -24,11 +25,20 @@ from ..config import config_from_dict
 from ..errors import TrainerError
 from ..inputs.models import dtype_of
 from .fsdp import ModelKind
+from .packing import pack, use_attention
 
 
-def forward_logprobs(model, batch: Batch, temperature: float, entropy: str = "none"):
+def forward_logprobs(
+    model, batch: Batch, temperature: float, entropy: str = "none", packed: bool = False, attention: str | None = None
+):
     """Log-probs [N, R] of the response tokens under `model` at `temperature`, and their entropies
-    when `entropy` is "grad" (part of the loss) or "metric" (detached, for logging)."""
+    when `entropy` is "grad" (part of the loss) or "metric" (detached, for logging). `packed`: run the
+    sequences concatenated without padding (packing.py; the same results, in the same layout).
+    `attention`: the attention kernel to run with (model.attn_implementation; None keeps the model's)."""
+    if attention is not None:
+        use_attention(model, attention)
+    if packed:
+        return _packed_logprobs(model, batch, temperature, entropy)
     width = batch.prompt_width
     mask = batch["attention_mask"]
     kwargs = {}
@@ -49,6 +59,25 @@ def forward_logprobs(model, batch: Batch, temperature: float, entropy: str = "no
     return logprobs * batch["response_mask"], ent
 
 
+def _packed_logprobs(model, batch: Batch, temperature: float, entropy: str):
+    """forward_logprobs on the packed micro-batch: the LM head runs on the response positions alone."""
+    p = pack(batch)
+    kwargs = {}
+    if _takes_logits_to_keep(type(model)):  # a tensor of positions keeps just those
+        kwargs["logits_to_keep"] = p.predict_at
+    logits = model(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids, use_cache=False, **kwargs)
+    logits = logits.logits if kwargs else logits.logits[:, p.predict_at]
+    logits = logits.float() / temperature
+    logprobs = pm.logprobs_from_logits(logits, p.targets[None])
+    ent = None
+    if entropy == "grad":
+        ent = p.unpack(pm.entropy_from_logits(logits))
+    elif entropy == "metric":
+        with torch.no_grad():
+            ent = p.unpack(pm.entropy_from_logits(logits.detach()))
+    return p.unpack(logprobs) * batch["response_mask"], ent
+
+
 @functools.cache
 def _takes_logits_to_keep(model_cls: type) -> bool:
     import inspect
@@ -56,8 +85,15 @@ def _takes_logits_to_keep(model_cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
 
 
-def forward_values(model, batch: Batch) -> torch.Tensor:
-    """Values [N, R]: the critic's estimate before each response token."""
+def forward_values(model, batch: Batch, packed: bool = False, attention: str | None = None) -> torch.Tensor:
+    """Values [N, R]: the critic's estimate before each response token (`packed`, `attention`: as in
+    forward_logprobs)."""
+    if attention is not None:
+        use_attention(model, attention)
+    if packed:
+        p = pack(batch)
+        out = model(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids, use_cache=False)
+        return p.unpack(out.logits[0, p.predict_at, 0].float()) * batch["response_mask"]
     width = batch.prompt_width
     mask = batch["attention_mask"]
     out = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids(mask), use_cache=False)
@@ -122,6 +158,13 @@ class WorkerBase:
             "device": str(self.device),
             "sharded": self.sharded,
         }
+
+    def release_memory(self) -> None:
+        """Hand the blocks torch's caching allocator keeps from the last update back to the GPU, so that
+        vLLM engines sharing it (placement.colocate_all) can wake into them. Nothing to do on CPU."""
+        if self.device.type == "cuda":
+            gc.collect()  # tensors only a reference cycle still holds
+            torch.cuda.empty_cache()
 
     def master_address(self) -> tuple[str, int]:
         import ray
@@ -225,6 +268,14 @@ class TrainableWorker(WorkerBase):
         if self.sharded or self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def add_step_stats(self, acc, started: float, shard: Batch) -> None:
+        """The update's training tokens/s on this worker (prompt and response tokens, every epoch) and this
+        worker's peak memory since the previous update: `memory_peaks`, the largest over ranks."""
+        seconds = max(time.perf_counter() - started, 1e-9)
+        acc.add(f"perf/{self.role}_tokens_per_s_per_worker", float(shard["attention_mask"].sum()) / seconds, 1.0)
+        for name, gib in memory_peaks(self.device).items():
+            acc.peak(f"memory/{self.role}_{name}_gib", gib)
 
     def _step(self, grad_clip: float) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -372,6 +423,35 @@ class UpdateResult:
 
     stats: dict
     """Token-weighted sums of the rank's statistics (metrics.Accumulator.result); metrics.combine merges ranks."""
+
+
+GIB = float(1 << 30)
+
+
+def memory_peaks(device: torch.device) -> dict[str, float]:
+    """This process's peak memory since the last call, in GiB, and the peaks reset for the next one:
+    `peak_rss` (host memory resident, on every device; Linux's VmHWM, reset through /proc/self/clear_refs,
+    else the process's lifetime peak) and on CUDA `peak_allocated` and `peak_reserved` (the caching
+    allocator's tensors, and what it holds from the GPU)."""
+    peaks = {"peak_rss": _peak_rss_bytes() / GIB}
+    if device.type == "cuda":
+        peaks["peak_allocated"] = torch.cuda.max_memory_allocated(device) / GIB
+        peaks["peak_reserved"] = torch.cuda.max_memory_reserved(device) / GIB
+        torch.cuda.reset_peak_memory_stats(device)
+    return peaks
+
+
+def _peak_rss_bytes() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            hwm = next(line for line in f if line.startswith("VmHWM:"))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+        return float(hwm.split()[1]) * 1024
+    except (OSError, StopIteration):  # no procfs: the lifetime peak (ru_maxrss is in KiB on Linux)
+        import resource
+
+        return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:

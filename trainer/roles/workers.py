@@ -24,6 +24,7 @@ from ..algo.advantages import response_limit
 from ..algo.batch import Batch, from_wire, to_wire
 from ..errors import TrainerError
 from ..metrics import Accumulator
+from .packing import in_batch_order, micro_batches
 from .staging import NodePaths, on_this_node
 from .worker_base import (
     TrainableWorker,
@@ -98,12 +99,23 @@ class PolicyWorker(TrainableWorker):
     def _inference(self, model, batch: Batch) -> torch.Tensor:
         was_training = model.training
         model.eval()
-        out = [
-            forward_logprobs(model, to_device(mb, self.device), self.cfg.rollout.temperature)[0].float().cpu()
-            for mb in batch.chunks(self.cfg.actor.micro_batch_size)
-        ]
+        m, a = self.cfg.model, self.cfg.actor
+        agree = self.device if self.sharded else None  # sharded ranks run as many micro-batches
+        groups = micro_batches(batch, a.micro_batch_size, a.max_tokens_per_micro_batch, m.pack_sequences, agree)
+        out = [(rows, self._logprobs(model, to_device(mb, self.device))[0].float().cpu()) for rows, mb in groups]
         model.train(was_training)
-        return torch.cat(out)
+        return in_batch_order(out, batch.size)
+
+    def _logprobs(self, model, micro: Batch, entropy: str = "none"):
+        m = self.cfg.model
+        return forward_logprobs(
+            model,
+            micro,
+            self.cfg.rollout.temperature,
+            entropy,
+            packed=m.pack_sequences,
+            attention=m.attn_implementation,
+        )
 
     def update(self, shard: Batch, normalizers: list[float], kl_coef: float) -> UpdateResult:
         """PPO epochs over this rank's part of every mini-batch. `normalizers[i]` is the global
@@ -114,6 +126,7 @@ class PolicyWorker(TrainableWorker):
         acc = self._ppo_epochs(shard, normalizers, kl_coef)
         if self.last_update_end is not None:
             acc.add("timing/actor_between_updates", start - self.last_update_end, 1.0)
+        self.add_step_stats(acc, start, shard)
         self.last_update_end = time.perf_counter()
         return UpdateResult(acc.result())
 
@@ -126,15 +139,19 @@ class PolicyWorker(TrainableWorker):
         kl_in_loss = alg.kl_mode == "loss" and kl_coef > 0 and "ref_logprobs" in shard
         agg = {"agg_mode": actor_cfg.loss_agg_mode, "max_len": response_limit(self.cfg)}
         for mini, norm in zip(shard.chunks(per_rank), normalizers):
-            for micro in mini.chunks(actor_cfg.micro_batch_size):
+            groups = micro_batches(
+                mini,
+                actor_cfg.micro_batch_size,
+                actor_cfg.max_tokens_per_micro_batch,
+                self.cfg.model.pack_sequences,
+                self.device if self.sharded else None,  # sharded ranks run as many micro-batches
+            )
+            for _, micro in groups:
                 micro = to_device(micro, self.device)
                 mask = micro["response_mask"]
                 with self.autocast():
-                    logprobs, entropy = forward_logprobs(
-                        self.model,
-                        micro,
-                        self.cfg.rollout.temperature,
-                        entropy="grad" if actor_cfg.entropy_coef else "metric",
+                    logprobs, entropy = self._logprobs(
+                        self.model, micro, entropy="grad" if actor_cfg.entropy_coef else "metric"
                     )
                 if "old_logprobs" in micro:
                     old = micro["old_logprobs"]
@@ -239,25 +256,39 @@ class CriticWorker(TrainableWorker):
     @torch.no_grad()  # not inference_mode: see PolicyWorker.logprobs
     def values(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
+        c = self.cfg.critic
+        agree = self.device if self.sharded else None  # sharded ranks run as many micro-batches
+        groups = micro_batches(
+            batch, c.micro_batch_size, c.max_tokens_per_micro_batch, self.cfg.model.pack_sequences, agree
+        )
         with self.autocast():
-            out = [
-                forward_values(self.model, to_device(mb, self.device)).float().cpu()
-                for mb in batch.chunks(self.cfg.critic.micro_batch_size)
-            ]
+            out = [(rows, self._values(to_device(mb, self.device)).float().cpu()) for rows, mb in groups]
         self.model.train()
-        return torch.cat(out)
+        return in_batch_order(out, batch.size)
+
+    def _values(self, micro: Batch) -> torch.Tensor:
+        m = self.cfg.model
+        return forward_values(self.model, micro, packed=m.pack_sequences, attention=m.attn_implementation)
 
     def update(self, shard: Batch, normalizers: list[float]) -> UpdateResult:
+        start = time.perf_counter()
         critic_cfg = self.cfg.critic
         per_rank = shard.size // len(normalizers)
         acc = Accumulator()
         self.comm_seconds = 0.0
         for mini, norm in zip(shard.chunks(per_rank), normalizers):
-            for micro in mini.chunks(critic_cfg.micro_batch_size):
+            groups = micro_batches(
+                mini,
+                critic_cfg.micro_batch_size,
+                critic_cfg.max_tokens_per_micro_batch,
+                self.cfg.model.pack_sequences,
+                self.device if self.sharded else None,  # sharded ranks run as many micro-batches
+            )
+            for _, micro in groups:
                 micro = to_device(micro, self.device)
                 mask = micro["response_mask"]
                 with self.autocast():
-                    values = forward_values(self.model, micro)
+                    values = self._values(micro)
                 loss, stats = pm.value_loss(
                     values, micro["values"], micro["returns"], mask, critic_cfg.clip_value or None, normalizer=norm
                 )
@@ -268,6 +299,7 @@ class CriticWorker(TrainableWorker):
                     acc.add(f"critic/{name}", value, tokens)
             acc.add("critic/grad_norm", self._step(critic_cfg.grad_clip), 1.0)
         acc.add("timing/comm_critic", self.comm_seconds, 1.0)
+        self.add_step_stats(acc, start, shard)
         return UpdateResult(acc.result())
 
 
@@ -287,12 +319,19 @@ class ReferenceWorker(WorkerBase):
 
     @torch.inference_mode()
     def ref_logprobs(self, batch: Batch) -> torch.Tensor:
-        return torch.cat(
-            [
-                forward_logprobs(self.model, to_device(mb, self.device), self.cfg.rollout.temperature)[0].cpu()
-                for mb in batch.chunks(self.cfg.reference.micro_batch_size)
-            ]
-        )
+        m, r = self.cfg.model, self.cfg.reference
+        groups = micro_batches(batch, r.micro_batch_size, r.max_tokens_per_micro_batch, m.pack_sequences)
+        out = []
+        for rows, mb in groups:
+            logprobs, _ = forward_logprobs(
+                self.model,
+                to_device(mb, self.device),
+                self.cfg.rollout.temperature,
+                packed=m.pack_sequences,
+                attention=m.attn_implementation,
+            )
+            out.append((rows, logprobs.cpu()))
+        return in_batch_order(out, batch.size)
 
 
 class RewardWorker(WorkerBase):
@@ -364,7 +403,7 @@ class RolloutWorker(WorkerBase):
             if cfg.rollout.engine == "vllm":  # vLLM is imported only where an engine is built
                 from ..rollout.vllm_engine import VLLMEngine
 
-                self.engine = VLLMEngine(model_path, cfg)
+                self.engine = VLLMEngine(model_path, cfg, engine_index=rank)
             else:
                 from ..rollout.engines import HFEngine
 

@@ -34,6 +34,12 @@ branches, SamplingParams, sleep/wake tags, `reload_weights`, the weight-transfer
 IPC payload needs the serialisation switch. Not yet run on a GPU: an engine started with the GPU
 branch of `engine_args`, sleep mode and the wake order, and the NCCL and CUDA IPC transfers themselves.
 
+Sampling seeds: one per engine call, not one per request. A request with its own seed makes vLLM sample
+that row by itself at every decode step (and skip its batched FlashInfer sampler on GPU); instead the engine
+reseeds the sampler's generator before each sampled `generate` (`SamplerSeed`, from the call's seed and the
+engine's index), so a call's samples are a function of its prompts, its settings and the engine's weights,
+and two engines never share a random stream.
+
 Log-probs: vLLM is started with `logprobs_mode="processed_logprobs"`, so each sampled token's log-prob is
 taken after temperature (and after top-k/top-p, see docs/vllm.md, "Log-prob consistency"), like the trainer's recomputation.
 """
@@ -126,6 +132,8 @@ def engine_args(cfg, model_path: str, on_gpu: bool, environ: Mapping[str, str] |
         gpu_memory_utilization=r.gpu_memory_utilization,
         # Temperature-scaled log-probs of the sampled tokens, as the trainer recomputes them.
         logprobs_mode="processed_logprobs",
+        # Adds `SamplerSeed`'s method to vLLM's workers: one seed per call instead of one per request.
+        worker_extension_cls=f"{SamplerSeed.__module__}.{SamplerSeed.__qualname__}",
     )
     env: dict = {}
     if on_gpu:
@@ -138,8 +146,9 @@ def engine_args(cfg, model_path: str, on_gpu: bool, environ: Mapping[str, str] |
             env[INSECURE_SERIALIZATION] = "1"
     else:
         kwargs["enforce_eager"] = True
-        # A prompt prefilled in chunks rewinds its seeded generator, which CPU generators can't do
-        # (vLLM 0.32 raises "CPU Generator does not use offset"): prefill each prompt whole.
+        # Each prompt prefilled whole, in one step: a call then draws the same random numbers however much
+        # of it the prefix cache holds (and a seeded generator never has to rewind, which CPU generators
+        # can't: vLLM 0.32 raises "CPU Generator does not use offset").
         kwargs["enable_chunked_prefill"] = False
         if not environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_GIB << 30
@@ -154,9 +163,16 @@ def engine_args(cfg, model_path: str, on_gpu: bool, environ: Mapping[str, str] |
     return kwargs, env
 
 
+def engines_sleep(cfg) -> bool:
+    """The engines free their memory while the policy trains: asked for (rollout.sleep_between_rollouts), and
+    always when vLLM engines share the trainers' GPUs (placement.colocate_all), where the engines' weights and
+    KV cache would otherwise sit beside the update's activations and optimizer state."""
+    return cfg.rollout.sleep_between_rollouts or (cfg.placement.colocate_all and cfg.rollout.engine == "vllm")
+
+
 def sleep_level(cfg, on_gpu: bool) -> int:
-    """2 (free weights and KV cache) with rollout.sleep_between_rollouts on GPU, else 0 (no sleep mode)."""
-    return 2 if cfg.rollout.sleep_between_rollouts and on_gpu else 0
+    """2 (free weights and KV cache) when the engines sleep (`engines_sleep`) on GPU, else 0 (no sleep mode)."""
+    return 2 if engines_sleep(cfg) and on_gpu else 0
 
 
 def apply_env(env: Mapping[str, str], environ=None) -> None:
@@ -184,10 +200,27 @@ def _truthy(value: str) -> bool:
         return False
 
 
-class VLLMEngine:
-    """Generation with vLLM; weights updated in memory. One engine per RolloutWorker actor."""
+class SamplerSeed:
+    """Mixed into vLLM's worker class (`worker_extension_cls`), in whichever process runs the model:
+    `LLM.collective_rpc("cloudrl_reseed_sampler", args=(seed,))` reseeds the generator that samples
+    every request without a seed of its own. Only torch's generators: the engine's other random state
+    (Python's, numpy's) is vLLM's business."""
 
-    def __init__(self, model_path: str, cfg):
+    def cloudrl_reseed_sampler(self, seed: int) -> None:
+        torch.manual_seed(seed)  # the CPU generator and every CUDA device's
+
+
+def call_seed(settings_seed: int, engine_index: int) -> int:
+    """The sampler's seed for one `generate` call of engine `engine_index`: distinct per engine, so that
+    engines splitting one batch never draw the same random numbers."""
+    return (settings_seed * 1_000_003 + engine_index * 7_919) % 2**63
+
+
+class VLLMEngine:
+    """Generation with vLLM; weights updated in memory. One engine per RolloutWorker actor (`engine_index`:
+    its rank among the engines)."""
+
+    def __init__(self, model_path: str, cfg, engine_index: int = 0):
         check_vllm_available()
         on_gpu = torch.cuda.is_available()
         kwargs, env = engine_args(cfg, model_path, on_gpu)
@@ -198,6 +231,7 @@ class VLLMEngine:
             raise ConfigError(f"{INSTALL_HINT}; importing vllm failed: {exc}") from None
 
         self.sleep_level = sleep_level(cfg, on_gpu)
+        self.engine_index = engine_index
         with _llvmlite_hidden():
             self.llm = LLM(**kwargs)
         self._sleeping: set[str] = set()  # vLLM memory tags freed by sleep() and not woken yet
@@ -234,11 +268,9 @@ class VLLMEngine:
             logprobs=0,
             flat_logprobs=True,  # only the sampled token's log-prob
         )
-        # One seed per prompt; vLLM gives sample j of a prompt seed + j, so prompts step by n.
-        params = [
-            SamplingParams(**base, seed=None if greedy else (settings.seed * 1_000_003 + i * settings.n) % 2**62)
-            for i in range(len(prompts))
-        ]
+        if not greedy:  # no per-request seeds: they would force vLLM's one-row-at-a-time sampler (module docstring)
+            self.llm.collective_rpc("cloudrl_reseed_sampler", args=(call_seed(settings.seed, self.engine_index),))
+        params = SamplingParams(**base)
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         results = []
         for request in outputs:

@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Literal
 
 from ..waiting import get_all
+from .vllm_engine import engines_sleep
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -53,9 +54,12 @@ class WeightPush:
     - "nccl": vLLM engines on GPUs next to a CUDA actor: the actor ranks broadcast the weights over NCCL
       (CUDA IPC when colocated, `WeightSyncGroup`); the driver waits for the broadcast.
 
-    Engines that sleep between rollouts (`rollout.sleep_between_rollouts`) give their GPU memory to the
-    update (`release_engines`) and are woken around the load, on every path: the weights first, then,
-    once the new weights are in, the KV cache. After every push each engine is fully awake.
+    Engines that sleep between rollouts (`rollout.sleep_between_rollouts`, always under
+    `placement.colocate_all`) give their GPU memory to the update (`release_engines`) and are woken around
+    the load, on every path: the weights first, then, once the new weights are in, the KV cache. After
+    every push each engine is fully awake. Where the engines share the trainers' GPUs (`colocate_all`),
+    the trainers first hand back the memory their allocator keeps cached from the update
+    (`release_memory`): vLLM wakes into its own allocator, which cannot use those blocks.
 
         push = WeightPush(cfg, roles, queue)   # opens the NCCL group where that is the path
         push.release_engines()                 # after the rollout
@@ -66,7 +70,8 @@ class WeightPush:
         self.roles = roles
         self.queue = queue
         self.timeout_s = cfg.trainer.worker_timeout_s
-        self.sleeps = cfg.rollout.sleep_between_rollouts
+        self.sleeps = engines_sleep(cfg)
+        self.neighbours = self.gpu_neighbours(cfg, roles)
         self.mode: PushMode = self.choose(cfg, roles)
         if self.mode == "nccl":
             self.open_group()
@@ -84,6 +89,15 @@ class WeightPush:
             return "object_store"
         on_cuda = roles.actor.where()[0]["device"].startswith("cuda")
         return "nccl" if on_cuda else "object_store"
+
+    @staticmethod
+    def gpu_neighbours(cfg, roles) -> list:
+        """The role groups whose workers compute on the engines' GPUs: under `placement.colocate_all` the
+        actor and its guests (critic, reward workers); [] where the engines own their GPUs."""
+        if not cfg.placement.colocate_all or roles.rollout_in_actor:
+            return []
+        groups = [roles.actor, getattr(roles, "critic", None), getattr(roles, "reward", None)]
+        return [g for g in groups if g is not None]
 
     def open_group(self) -> None:
         """Every actor rank joins the NCCL group with every engine worker (rank 0's address)."""
@@ -120,6 +134,10 @@ class WeightPush:
         engines, actor = self.roles.rollout, self.roles.actor
         if self.mode == "nccl" or self.sleeps:
             ray.wait(list(after), num_returns=len(after))  # the update first: its failure raises when collected
+        if self.sleeps and self.neighbours:  # the update's cached blocks back to the GPU before vLLM wakes
+            workers = [w for g in self.neighbours for w in g.workers]
+            labels = [label for g in self.neighbours for label in g.labels()]
+            get_all([w.release_memory.remote() for w in workers], labels, self.timeout_s, "releasing cached memory")
         if self.sleeps:  # weights first; the KV cache only once the new weights are in
             get_all(
                 [e.wake_weights.remote() for e in engines.workers],

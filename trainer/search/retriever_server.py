@@ -309,7 +309,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             super().handle_one_request()
         finally:
-            self._deadline.cancel()
+            with self._state:
+                if self._deadline is not None:  # not read whole (`_arrived` stops it once it was)
+                    self._deadline.cancel()
+                    self._deadline = None
 
     def _too_slow(self) -> None:
         with self._state:

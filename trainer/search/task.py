@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -136,9 +137,10 @@ def warm_up_model(
     seed: int = 0,
     batch_size: int = 32,
     read_first: float = 2 / 3,
+    progress: Callable[[int, float], None] | None = None,
 ) -> str:
     """Save the tiny model after a format warm-up on made-up names (none in `exclude`: pass the task's)
-    into `out`; returns its path.
+    into `out`; returns its path. `progress(step, loss)` is called after every step (1-based).
 
     Two phases. In the first (`read_first` of the steps) every row searches: reading a code out of the
     observation is learned only while no row teaches "answer a random digit", which pulls every answer
@@ -165,11 +167,14 @@ def warm_up_model(
         for step in range(steps):
             rows = warm_up_rows(tok, rng, batch_size, search_share, exclude, 1.0 if step < read_steps else 0.5)
             input_ids, mask, labels = _batch(tok, rows)
-            model(input_ids=input_ids, attention_mask=mask, labels=labels).loss.backward()
+            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+            if progress is not None:
+                progress(step + 1, loss.item())
     finally:
         torch.set_num_threads(threads)
     model.eval()

@@ -1,0 +1,70 @@
+"""The per-step numbers a trained role reports with its update: peak memory (host RSS on every device, the CUDA
+allocator's peaks on GPU, each reset for the next step) and training tokens/s per worker; over ranks the memory
+is the largest peak and the speed the mean. In process, one rank, no Ray; recording stand-ins for the
+torch.cuda memory counters, which need a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cloudrl.trainer.algo.batch import build_batch, update_shards
+from cloudrl.trainer.config import load_config
+from cloudrl.trainer.inputs.models import resolve_path
+from cloudrl.trainer.metrics import Accumulator, combine
+from cloudrl.trainer.roles import worker_base
+from cloudrl.trainer.roles.workers import CriticWorker, PolicyWorker
+
+GIB = 1 << 30
+
+
+def test_peaks_combine_as_the_largest_rank_and_speeds_as_the_mean():
+    ranks = []
+    for peak, speed in ((2.0, 100.0), (5.0, 300.0)):
+        acc = Accumulator()
+        acc.peak("memory/actor_peak_rss_gib", peak - 1)
+        acc.peak("memory/actor_peak_rss_gib", peak)
+        acc.add("perf/actor_tokens_per_s_per_worker", speed, 1.0)
+        ranks.append(acc.result())
+    merged = combine(ranks)
+    assert merged["memory/actor_peak_rss_gib"] == 5.0
+    assert merged["perf/actor_tokens_per_s_per_worker"] == 200.0
+    assert combine([{"sums": {"a": 2.0}, "weights": {"a": 1.0}}]) == {"a": 2.0}  # a result without peaks
+
+
+def test_cpu_reports_peak_rss_and_no_device_counters():
+    cpu = torch.device("cpu")
+    worker_base.memory_peaks(cpu)  # the peak so far, reset
+    quiet = worker_base.memory_peaks(cpu)  # a step that allocated nothing: about what stays resident
+    assert set(quiet) == {"peak_rss"} and 0.01 < quiet["peak_rss"] < 1024
+    held = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB resident, then freed: this step's peak
+    del held
+    assert worker_base.memory_peaks(cpu)["peak_rss"] > quiet["peak_rss"] + 0.04
+
+
+def test_cuda_reports_the_allocators_peaks_and_resets_them(monkeypatch):
+    """Stand-ins for torch.cuda.max_memory_allocated/reserved and reset_peak_memory_stats (GPU only)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: calls.append("allocated") or 3 * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: calls.append("reserved") or 4 * GIB)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append("reset"))
+    peaks = worker_base.memory_peaks(torch.device("cuda"))
+    assert (peaks["peak_allocated"], peaks["peak_reserved"]) == (3.0, 4.0) and "peak_rss" in peaks
+    assert calls == ["allocated", "reserved", "reset"]  # read, then reset for the next step
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_an_update_reports_its_memory_and_tokens_per_second(role):
+    sizes = [f"{r}.{k}=8" for r in ("actor", "critic") for k in ("mini_batch_size", "micro_batch_size")]
+    cfg = load_config("local", [*sizes, "data.train_batch_size=1", "model.sft_warmup_steps=0"])
+    path = resolve_path(cfg.model.path, cfg)
+    worker = PolicyWorker(cfg.to_dict(), path) if role == "actor" else CriticWorker(cfg.to_dict(), path)
+    worker.start_training()
+    batch = build_batch([[5, 6, 7]] * 8, [[8, 9]] * 8, pad_id=0)
+    for key in ("advantages", "values", "returns"):
+        batch[key] = torch.zeros(batch["response_mask"].shape)
+    shards, norms = update_shards(batch, 1, getattr(cfg, role), seed=0)
+    result = worker.update(shards[0], norms, 0.0) if role == "actor" else worker.update(shards[0], norms)
+    stats = combine([result.stats])
+    assert stats[f"perf/{role}_tokens_per_s_per_worker"] > 0
+    assert stats[f"memory/{role}_peak_rss_gib"] > 0.01
+    assert f"memory/{role}_peak_allocated_gib" not in stats  # on CPU: host memory only, labelled as such
