@@ -192,6 +192,12 @@ def main(argv=None) -> int:
     p.add_argument("--fsdp-on-cpu", action="store_true", help="shard with FSDP2 over gloo on CPU too (world size 1)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="more config overrides, e.g. model.lora_rank=16 (applied last)",
+    )
+    p.add_argument(
         "--world",
         type=int,
         default=1,
@@ -243,6 +249,7 @@ def main(argv=None) -> int:
         f"actor.mini_batch_size={seqs}",
         f"actor.micro_batch_size={min(args.micro, seqs)}",
         f"trainer.run_dir={tmp.name}/run",
+        *args.overrides,
     ]
     cfg = load_config("local", overrides)
 
@@ -322,7 +329,12 @@ def main(argv=None) -> int:
         torch.distributed.destroy_process_group()
         return 0
     final = final["model"]
-    unchanged = [k for k, v in initial.items() if torch.equal(v, final[k].to(v.dtype))]
+    # What trains must change (every parameter, or under LoRA the adapters alone) and nothing else may.
+    grads = {name: t.requires_grad for name, t in worker.model.named_parameters()}  # tied copies appear once
+    trained = [k for k in initial if grads.get(k, True)]
+    frozen = [k for k in initial if not grads.get(k, True)]
+    unchanged = [k for k in trained if torch.equal(initial[k], final[k].to(initial[k].dtype))]
+    frozen_moved = [k for k in frozen if not torch.equal(initial[k], final[k].to(initial[k].dtype))]
     timed = steps[1:] or steps  # step 1 pays for kernel selection and allocator growth
     mean = {k: sum(s[k] for s in timed) / len(timed) for k in timed[0]}
     update_tps = mean["update_tokens"] / mean["update_s"]
@@ -357,8 +369,9 @@ def main(argv=None) -> int:
         "start_peak_memory_gib": start_peak_gib,
         "start_host_rss_gib": start_rss_gib,
         **{k: steps[-1][k] for k in steps[-1] if k.startswith("memory/")},  # the last step's, as metrics.jsonl
-        "params_changed": len(initial) - len(unchanged),
-        "params_total": len(initial),
+        "params_changed": len(trained) - len(unchanged),
+        "params_total": len(trained),
+        "frozen_params_moved": len(frozen_moved),
         "final_pg_loss": steps[-1]["pg_loss"],
         "final_grad_norm": steps[-1]["grad_norm"],
     }
@@ -403,7 +416,10 @@ def main(argv=None) -> int:
             f"{start_peak_gib if start_peak_gib is not None else float('nan'):.2f}, {start_rss_gib:.2f}",
         ),
         ("MFU", f"{mfu:.2%} of {args.peak_tflops:g} TFLOP/s bf16 (--peak-tflops)" if cuda else "n/a on CPU"),
-        ("parameters changed", f"{res['params_changed']}/{res['params_total']} tensors after {args.steps} steps"),
+        (
+            "trained parameters changed",
+            f"{res['params_changed']}/{res['params_total']} tensors after {args.steps} steps",
+        ),
         (
             "vllm",
             res["vllm"]
@@ -423,7 +439,9 @@ def main(argv=None) -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     numbers = [v for v in res.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    failures = [f"{len(unchanged)} parameter tensors unchanged: {unchanged[:5]}"] if unchanged else []
+    failures = [f"{len(unchanged)} trained parameter tensors unchanged: {unchanged[:5]}"] if unchanged else []
+    if frozen_moved:
+        failures.append(f"{len(frozen_moved)} frozen parameter tensors changed: {frozen_moved[:5]}")
     failures += [f"non-finite result in {res}"] if not all(math.isfinite(v) for v in numbers) else []
     failures += [f"vllm section: {res['vllm']}"] if res["vllm"].startswith("FAILED") else []
     for f in failures:

@@ -14,6 +14,11 @@ tokens (reasoning RL's shape: most short, a few long). Three modes, each in a fr
 Training tokens/s counts the real (prompt and response) tokens of the batch over an update's seconds,
 the best of `--updates` updates. Peak memory is the process's highest resident set size during the
 updates above its size before them (sampled every 5 ms). Prints one table and the ratios to padded.
+
+Then a LoRA row (`model.lora_rank=--lora-rank`, all-linear, vs full fine-tuning, each in a fresh process after
+one update on 8 of the sequences): trainable parameters, the bytes of the actor's checkpoint shards (what
+`save_shards` writes: the trained weights and their AdamW moments) and the bytes of one weight push to the
+engines (`PolicyWorker.weights`, in model.dtype). `--only lora` runs just that part.
 """
 
 from __future__ import annotations
@@ -128,6 +133,74 @@ def _run_mode(mode: str, folder: str, args, out) -> None:
     }
 
 
+def _run_lora(mode: str, folder: str, args, out) -> None:
+    import torch
+    from cloudrl.trainer.algo.batch import update_shards
+    from cloudrl.trainer.config import load_config
+    from cloudrl.trainer.inputs.models import quiet_transformers
+    from cloudrl.trainer.roles.workers import PolicyWorker
+
+    quiet_transformers()
+    torch.set_num_threads(args.threads)
+    n = 8
+    lora = [f"model.lora_rank={args.lora_rank}", f"model.lora_alpha={2 * args.lora_rank}"] if mode == "lora" else []
+    cfg = load_config(
+        "local",
+        [
+            f"model.path={folder}",
+            "model.sft_warmup_steps=0",
+            f"data.train_batch_size={n}",
+            "rollout.n=1",
+            "algorithm.name=reinforce_pp",
+            "algorithm.kl_coef=0",
+            f"actor.mini_batch_size={n}",
+            f"actor.micro_batch_size={n}",
+            "model.pack_sequences=true",
+            *lora,
+        ],
+    )
+    worker = PolicyWorker(cfg.to_dict(), folder)
+    worker.start_training()
+    batch = _batch(n, 64, seed=1)
+    shards, norms = update_shards(batch, 1, cfg.actor, seed=0)
+    worker.update(shards[0], norms, kl_coef=0.0)  # the optimizer's moments exist from here
+    with tempfile.TemporaryDirectory(prefix="cloudrl-bench-lora-") as ckpt:
+        worker.save_shards(os.path.join(ckpt, "actor"))
+        written = sum(f.stat().st_size for f in os.scandir(os.path.join(ckpt, "actor")))
+    pushed = sum(t.nbytes for _, t in worker.weights())
+    out[mode] = {
+        "trainable": sum(p.numel() for p in worker.model.parameters() if p.requires_grad),
+        "checkpoint": written,
+        "push": pushed,
+        "push_tensors": len(worker.weights()),
+    }
+
+
+def _lora_table(folder: str, args, ctx, results) -> None:
+    for mode in ("full", "lora"):
+        proc = ctx.Process(target=_run_lora, args=(mode, folder, args, results))
+        proc.start()
+        proc.join()
+        if proc.exitcode != 0:
+            sys.exit(f"{mode}: the LoRA benchmark process failed (exit code {proc.exitcode})")
+    full, lora = results["full"], results["lora"]
+    print()
+    print("| actor | trainable parameters | checkpoint MiB | weight push MiB (tensors) |")
+    print("|---|---:|---:|---:|")
+    for mode, label in (("full", "full fine-tuning"), ("lora", f"LoRA rank {args.lora_rank}, all-linear")):
+        r = results[mode]
+        print(
+            f"| {label} | {r['trainable'] / 1e6:.2f}M | {r['checkpoint'] / 2**20:.1f} | "
+            f"{r['push'] / 2**20:.1f} ({r['push_tensors']}) |"
+        )
+    print()
+    print(
+        f"LoRA / full: trainable parameters {lora['trainable'] / full['trainable']:.3f}x, checkpoint "
+        f"{lora['checkpoint'] / full['checkpoint']:.3f}x, weight push {lora['push'] / full['push']:.2f}x "
+        f"(the engines get the merged model)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sequences", type=int, default=32, help="sequences per batch (one optimizer step)")
@@ -135,6 +208,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024, help="tokens per micro-batch of packed + budget")
     parser.add_argument("--updates", type=int, default=2, help="timed updates per mode (the best counts)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--lora-rank", type=int, default=16, help="model.lora_rank of the LoRA row")
+    parser.add_argument("--only", choices=("packing", "lora"), help="run one part (default: both)")
     args = parser.parse_args()
 
     ctx = mp.get_context("spawn")
@@ -146,6 +221,10 @@ def main() -> None:
             f"{args.sequences} sequences, prompts 16..64 tokens, responses log-uniform 16..{args.max_len} tokens"
             + (" (scaled down from 1024 to run in minutes on 2 cores)" if args.max_len < 1024 else "")
         )
+        if args.only != "packing":
+            _lora_table(folder, args, ctx, results)
+        if args.only == "lora":
+            return
         for mode in ("padded", "packed", "packed + budget"):
             proc = ctx.Process(target=_run_mode, args=(mode, folder, args, results))
             proc.start()

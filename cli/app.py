@@ -277,6 +277,26 @@ def _submit(
         _follow(client, job_id, lambda: follow_through_restarts(client, job_id, resubmit, reconnect_wait, typer.echo))
 
 
+@app.command(epilog="Examples: cloudrl plan --preset gsm8k-7b    |    cloudrl plan -p gsm8k-7b actor.fsdp=false")
+def plan(
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="[KEY=VALUE]...", show_default=False, help="Config overrides, as for submit."),
+    ] = None,
+    preset: Annotated[
+        str, typer.Option("--preset", "-p", help="Preset name from trainer/presets, or a path to your own YAML preset.")
+    ] = "local",
+    gpu_memory_gib: Annotated[
+        float, typer.Option("--gpu-memory-gib", metavar="GIB", help="Memory of one GPU (80: H100/A100 80GB).")
+    ] = 80.0,
+) -> None:
+    """Print what each GPU of every role and engine holds, and its peak, from the model's config.json alone;
+    exit 1 naming the keys that would make it fit when a role's GPUs cannot hold it."""
+    from .plan import show_plan
+
+    show_plan(preset, overrides or [], gpu_memory_gib, typer.echo)
+
+
 # ----------------------------------------------------------------------------------------------
 # jobs
 # ----------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ in the config means on the cluster what it meant here. The upload's layout:
 - one outside it goes to `_external/<n>/<name>`, and the config is rewritten to point there;
 - `--workdir DIR` puts DIR's whole tree at the top (your package: importable by the driver and workers).
 
-Named by the config: `reward.function=FILE.py:fn` (or `module:fn` where `module.py` / `module/` is here)
+Named by the config: `reward.function=FILE.py:fn` (or `module:fn` where `module.py` / `module/` is here),
+`rollout.environment=FILE.py:Class` (or `module:Class`) likewise
 with the modules it imports from beside it (`from helpers import x` with helpers.py in the same directory,
 or in the current one; each shipped module's own such imports too),
 the local entries of `data.train_files` / `data.val_files` (files, or `hf:` directories saved with
@@ -122,6 +123,7 @@ def plan_upload(
             upload.files[dest] = src
     external = _External(upload, cwd)
     _reward(cfg, cwd, external)
+    _reward(cfg, cwd, external, "rollout.environment")
     for key in DATA_KEYS:
         value = _get(cfg, key)
         if value:
@@ -183,19 +185,20 @@ def _local(key: str, value: str, cwd: Path) -> Path | None:
     )
 
 
-def _reward(cfg: Any, cwd: Path, external: _External) -> None:
-    spec = cfg.reward.function.strip()
+def _reward(cfg: Any, cwd: Path, external: _External, key: str = "reward.function") -> None:
+    """Ship the code `key` names (FILE.py:NAME or module:NAME): reward.function, rollout.environment."""
+    spec = _get(cfg, key).strip()
     if ":" not in spec:
         return  # a built-in reward
     location, _, fn = spec.rpartition(":")
     if location.endswith(".py"):
-        local = _local("reward.function", location, cwd)
+        local = _local(key, location, cwd)
         if local is None:
-            external.upload.cluster_paths.append(f"reward.function: {location}")
+            external.upload.cluster_paths.append(f"{key}: {location}")
             return
         dest = external.add(local)
         if dest != location:
-            external.upload.rewrites["reward.function"] = f"{dest}:{fn}"
+            external.upload.rewrites[key] = f"{dest}:{fn}"
         _imported_beside(local, dest.rpartition("/")[0], cwd, external)
         return
     # module:fn — ship the top-level module if it is a file or package here; else it is installed.

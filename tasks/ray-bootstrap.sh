@@ -32,9 +32,11 @@ BOOT_START="$(date +%s.%N)"
 # cluster; `cloudrl validate` checks it. Not an env knob on purpose.
 CLOUDRL_RAY_VERSION="2.60.0"
 # import-name=pip-requirement pairs the trainer imports beyond a CUDA torch + vLLM image.
-TRAINER_PACKAGES="yaml=pyyaml pyarrow=pyarrow tensorboard=tensorboard datasets=datasets"
+TRAINER_PACKAGES="yaml=pyyaml pyarrow=pyarrow tensorboard=tensorboard datasets=datasets peft=peft accelerate=accelerate"
 # W&B logging only when the run has a key for it.
 [[ -z "${WANDB_API_KEY:-}" ]] || TRAINER_PACKAGES+=" wandb=wandb"
+# MLflow logging only when the run names a tracking server.
+[[ -z "${MLFLOW_TRACKING_URI:-}" ]] || TRAINER_PACKAGES+=" mlflow=mlflow-skinny"
 
 HERE="$(dirname "${BASH_SOURCE[0]}")"
 BRINGUP="$HERE/ray_bringup.py"

@@ -32,12 +32,12 @@ from .presets import (
 
 # Keys with a fixed set of values: `coerce` rejects anything else, `--help-config` lists them.
 Dtype = Literal["float32", "bfloat16", "float16"]
-Engine = Literal["hf", "vllm"]
+Engine = Literal["hf", "vllm", "sglang"]
 GroupAlgorithm = Literal["grpo", "rloo", "reinforce_pp_baseline"]  # they compare the samples of one prompt
 Algorithm = Literal["ppo", "reinforce_pp", GroupAlgorithm]
 KlMode = Literal["reward", "loss"]
 KlEstimator = Literal["k1", "k2", "k3"]
-Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
+Logger = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
 ALGORITHMS: tuple[str, ...] = typing.get_args(Algorithm)
 GROUP_ALGORITHMS: tuple[str, ...] = typing.get_args(GroupAlgorithm)
@@ -68,6 +68,15 @@ class ModelConfig:
     pack_sequences: bool = False
     """Run the actor, critic and reference forward passes on each micro-batch's sequences concatenated without
     padding (positions restart and attention stays within each sequence); pays off when lengths vary a lot."""
+    lora_rank: int = 0
+    """LoRA rank of the actor's adapters (peft): the base weights stay frozen, the actor trains the adapters only
+    and its reference is the base model with the adapters off. 0 = off (full fine-tuning). The critic always
+    trains in full. LoRA usually wants a higher actor.lr than full fine-tuning (about 10x)."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: an adapter adds B @ A * lora_alpha / lora_rank to its layer's weight."""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Linear layers that get adapters, by name suffix (e.g. [q_proj,k_proj,v_proj,o_proj]); all-linear = every
+    linear layer of the transformer blocks (attention and MLP projections), not the output head."""
 
 
 @dataclass
@@ -104,7 +113,8 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: Engine = "hf"
-    """Generation engine: hf is transformers' generate, vllm needs the `vllm` extra."""
+    """Generation engine: hf is transformers' generate, vllm needs the `vllm` extra, sglang the `sglang` extra
+    (GPU nodes only; docs/engines.md)."""
     n: int = 4
     """Samples per prompt (the group size for GRPO/RLOO)."""
     max_new_tokens: int = 8
@@ -120,7 +130,13 @@ class RolloutConfig:
     num_engines: int = 1
     """Rollout engines (Ray actors); prompts are split across them."""
     tensor_parallel_size: int = 1
-    """GPUs per vLLM engine; all on one node."""
+    """Tensor-parallel GPUs per vLLM or SGLang engine (per pipeline stage)."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages per vLLM or SGLang engine: an engine uses tensor_parallel_size x pipeline_parallel_size GPUs."""
+    nodes_per_engine: int = 1
+    """Nodes one vLLM or SGLang engine spans. 1: all its GPUs on one node. More: its tensor_parallel_size x
+    pipeline_parallel_size GPUs are that many one-GPU Ray bundles over several nodes, driven by vLLM's Ray
+    executor (SGLang: one process per node); the engine's own actor holds no GPU (docs/engines.md)."""
     gpus_per_engine: float = 0.0
     """GPUs per HF engine (vLLM uses tensor_parallel_size). 0 = CPU."""
     cpus_per_engine: float = 1.0
@@ -129,7 +145,8 @@ class RolloutConfig:
     """vLLM: share of each engine GPU for weights and KV cache. Unless set, 0.85 where the engines own their
     GPUs and 0.5 with placement.colocate_all, where the trainers keep their weights and optimizer state."""
     sleep_between_rollouts: bool = False
-    """vLLM: free weights and KV cache while the policy trains (always on with placement.colocate_all)."""
+    """vLLM: free weights and KV cache while the policy trains (always on with placement.colocate_all, where
+    false is refused)."""
     logprob_correction: bool = False
     """Reweight the policy loss with truncated importance weights (trainer vs engine log-probs)."""
     logprob_correction_cap: float = 2.0
@@ -139,6 +156,25 @@ class RolloutConfig:
     while this step trains, and the lag is corrected with the importance weights above; 0: in turn."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per engine, e.g. {h100: 1} to pin engines to nodes started with them."""
+
+    @property
+    def ranks_per_engine(self) -> int:
+        """The GPU processes (and GPUs) of one vLLM or SGLang engine: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    environment: str = ""
+    """Multi-turn episodes against your environment class: `path/to/env.py:MyEnv` or `module:MyEnv` (reset(sample)
+    -> first observation, step(action_text) -> StepResult; docs/agents.md). Empty = one turn per sample."""
+    max_turns: int = 4
+    """With rollout.environment: model turns per episode at most (the last turn's observation is dropped)."""
+    max_episode_tokens: int = 256
+    """With rollout.environment: generated plus observation tokens per episode (rollout.max_new_tokens is per
+    turn)."""
+    max_obs_tokens: int = 128
+    """With rollout.environment: tokens per observation; longer ones are cut."""
+    episode_timeout_s: float = 60.0
+    """With rollout.environment: wall time per episode; an environment call still running then ends its episode
+    (counted in env/timeouts_per_sample), as one that raises does (env/env_errors_per_sample)."""
 
 
 @dataclass
@@ -300,6 +336,22 @@ class RewardConfig(RoleConfig):
     timeout_s: float = 60.0
     """Longest one call of the reward function (one engine's part of a batch) may take; a call still
     running then stops the run with a line naming the function (0 = no limit)."""
+    url: str = ""
+    """HTTP scorer (http://host:port/score) sent {"items": [{prompt, response, ground_truth}]}, answering
+    {"scores": [...]}; its score times url_weight is added to reward.function's (function=none: it alone)."""
+    url_weight: float = 1.0
+    """Weight of the reward.url score."""
+    url_timeout_s: float = 30.0
+    """Longest wait for one reward.url request; then it is retried."""
+    url_retries: int = 3
+    """Retries of a reward.url request that fails to connect, times out or gets HTTP 5xx/429 (with back-off)."""
+    url_max_concurrency: int = 4
+    """reward.url requests in flight at once, per reward worker."""
+    url_batch_size: int = 64
+    """Samples per reward.url request."""
+    url_token_env: str = ""
+    """Name of an environment variable whose value goes to reward.url as `Authorization: Bearer`; the
+    value itself never appears in the config or the logs."""
 
 
 @dataclass
@@ -343,9 +395,22 @@ class TrainerConfig:
     """Score the model on the validation sets without training: the checkpoint trainer.resume picks
     (auto: run_dir's latest) or, without one, model.path; prints a table and writes run_dir/eval.json."""
     loggers: list[Logger] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Metric sinks (wandb reads its key from WANDB_API_KEY)."""
+    """Metric sinks (wandb reads its key from WANDB_API_KEY; mlflow logs to trainer.mlflow_tracking_uri or
+    MLFLOW_TRACKING_URI). Resumes and restarts continue the same W&B and MLflow run (docs/trainer.md, Metrics)."""
     wandb_project: str = ""
-    """W&B project (the key is read from WANDB_API_KEY; never printed)."""
+    """W&B project (the key is read from WANDB_API_KEY; never printed). Empty: cloudrl."""
+    wandb_entity: str = ""
+    """W&B team or user the project belongs to. Empty: the key's default entity."""
+    wandb_group: str = ""
+    """W&B group that gathers related runs (a sweep, the branches of one run). Empty: none."""
+    wandb_run_name: str = ""
+    """W&B run name. Empty: the name of trainer.run_dir."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking server (http://host:5000) or store (sqlite:///path.db). Empty: MLFLOW_TRACKING_URI from
+    the environment. Never credentials: MLflow reads MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME and
+    MLFLOW_TRACKING_PASSWORD from the environment."""
+    mlflow_experiment: str = ""
+    """MLflow experiment the run logs to (created when missing). Empty: cloudrl."""
     export_hf: bool = True
     """Save the final policy with save_pretrained into run_dir/hf_model."""
     ray_address: str = ""

@@ -168,6 +168,8 @@ _TRAINED_RANGES = {
 RANGES: dict[str, Range] = {
     "model.sft_warmup_steps": NON_NEGATIVE,
     "model.sft_warmup_lr": POSITIVE,
+    "model.lora_rank": Range(0, hint="0 trains the full model, a rank such as 8 or 16 trains LoRA adapters"),
+    "model.lora_alpha": POSITIVE,
     "data.max_prompt_length": COUNT,
     "data.train_batch_size": COUNT,
     "data.val_batch_size": COUNT,
@@ -184,6 +186,8 @@ RANGES: dict[str, Range] = {
     "rollout.top_k": Range(1, off=-1),
     "rollout.num_engines": COUNT,
     "rollout.tensor_parallel_size": COUNT,
+    "rollout.pipeline_parallel_size": COUNT,
+    "rollout.nodes_per_engine": COUNT,
     "rollout.gpus_per_engine": NON_NEGATIVE,
     "rollout.cpus_per_engine": NON_NEGATIVE,
     "rollout.gpu_memory_utilization": FRACTION,
@@ -192,6 +196,10 @@ RANGES: dict[str, Range] = {
         1, hint="it caps importance weights; below 1 it would shrink even on-policy tokens"
     ),
     "rollout.resources": NON_NEGATIVE,
+    "rollout.max_turns": COUNT,
+    "rollout.max_episode_tokens": COUNT,
+    "rollout.max_obs_tokens": COUNT,
+    "rollout.episode_timeout_s": POSITIVE,
     "search.topk": Range(1, 100),
     "search.max_turns": NON_NEGATIVE,
     "search.max_response_tokens": COUNT,
@@ -222,6 +230,11 @@ RANGES: dict[str, Range] = {
     "reward.model_weight": Range(),
     "reward.micro_batch_size": COUNT,
     "reward.timeout_s": NON_NEGATIVE,
+    "reward.url_weight": Range(),
+    "reward.url_timeout_s": POSITIVE,
+    "reward.url_retries": NON_NEGATIVE,
+    "reward.url_max_concurrency": COUNT,
+    "reward.url_batch_size": COUNT,
     "placement.timeout_s": POSITIVE,
     "trainer.total_steps": COUNT,
     "trainer.seed": Range(0, 2**32 - 1),  # vLLM seeds numpy with it, which takes 0..2**32-1
@@ -249,6 +262,16 @@ def check_ranges(cfg: Any) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+KEYS_SET = "_keys_set"
+"""The attribute of a loaded config holding the keys its preset or an override set (presets.set_key
+records them; not a field, so never saved or compared)."""
+
+
+def explicitly_set(cfg: Any, key: str) -> bool:
+    """`key` was set by the preset or an override, not left to its default or a dependent default."""
+    return key in vars(cfg).get(KEYS_SET, ())
+
+
 def validate(cfg: Any) -> None:
     """Every numeric key in its range, then the rules across keys of a `config.Config` whose keys each
     passed `coerce`."""
@@ -265,14 +288,34 @@ def validate(cfg: Any) -> None:
     _check_batches(cfg)
     if r.engine == "hf" and r.tensor_parallel_size != 1:
         raise ConfigError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
+    _check_engine_layout(cfg)
     if cfg.placement.rollout_in_actor:
         _check_rollout_in_actor(cfg)
     if r.policy_lag:
         _check_policy_lag(cfg)
+    if (
+        cfg.placement.colocate_all
+        and r.engine in ("vllm", "sglang")
+        and not r.sleep_between_rollouts
+        and explicitly_set(cfg, "rollout.sleep_between_rollouts")
+    ):
+        raise ConfigError(
+            "rollout.sleep_between_rollouts=false cannot hold with placement.colocate_all=true: the engines share "
+            "the trainers' GPUs and free their memory while the policy trains; drop the key (colocate_all turns "
+            "it on) or set placement.colocate_all=false"
+        )
     if a.dynamic_sampling:
         _check_dynamic_sampling(cfg)
     if cfg.search.enabled and cfg.placement.rollout_in_actor:
         raise ConfigError("search.enabled=true runs its turns in rollout workers: set placement.rollout_in_actor=false")
+    if r.environment and cfg.search.enabled:
+        raise ConfigError("rollout.environment and search.enabled are two multi-turn protocols: set one of them")
+    if r.environment and cfg.placement.rollout_in_actor:
+        raise ConfigError(
+            "rollout.environment runs its episodes in rollout workers: set placement.rollout_in_actor=false"
+        )
+    if r.environment and cfg.reward.in_driver:
+        raise ConfigError("rollout.environment's rewards are added on the reward workers: set reward.in_driver=false")
     if cfg.reward.in_driver and cfg.reward.model_path:
         raise ConfigError(
             "reward.in_driver=true scores rule-based rewards only, but reward.model_path is set: "
@@ -280,6 +323,66 @@ def validate(cfg: Any) -> None:
         )
     _check_objective(cfg)
     _check_attention(cfg)
+    if cfg.reward.url:
+        _check_reward_url(cfg)
+    if cfg.model.lora_rank:
+        _check_lora(cfg)
+
+
+def _check_reward_url(cfg: Any) -> None:
+    """The reward.url keys: an http(s) address, a variable's name (never a token), time left to retry (the
+    numeric ranges are in RANGES)."""
+    rw = cfg.reward
+    if not rw.url.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"reward.url={rw.url!r} is not an http:// or https:// address: e.g. http://127.0.0.1:8900/score"
+        )
+    if rw.url_token_env and not rw.url_token_env.isidentifier():
+        raise ConfigError(
+            "reward.url_token_env must be the NAME of an environment variable holding the token (e.g. RM_TOKEN), "
+            "not the token itself: export the token under a name and give the name"
+        )
+    if 0 < rw.timeout_s <= rw.url_timeout_s:
+        raise ConfigError(
+            f"reward.url_timeout_s={rw.url_timeout_s:g} leaves no time to retry within reward.timeout_s="
+            f"{rw.timeout_s:g}: lower reward.url_timeout_s or raise reward.timeout_s"
+        )
+
+
+def _check_engine_layout(cfg: Any) -> None:
+    """Pipeline stages and engines that span nodes: vLLM and SGLang only, GPUs split evenly over the nodes,
+    and never under placement.colocate_all (its CUDA IPC weight sync reaches only GPUs of one node)."""
+    r = cfg.rollout
+    if r.engine == "hf" and (r.pipeline_parallel_size != 1 or r.nodes_per_engine != 1):
+        raise ConfigError(
+            "rollout.pipeline_parallel_size and rollout.nodes_per_engine > 1 need rollout.engine=vllm or sglang: "
+            "set them to 1 with rollout.engine=hf"
+        )
+    engine_on_gpus = r.ranks_per_engine > 1 or r.gpus_per_engine > 0 or cfg.actor.gpus_per_node > 0
+    if r.engine == "sglang" and not engine_on_gpus:
+        raise ConfigError(
+            "rollout.engine=sglang runs on GPUs only, but the engines get none (rollout.tensor_parallel_size=1, "
+            "rollout.gpus_per_engine=0, actor.gpus_per_node=0): give the roles GPUs, or use rollout.engine=vllm or hf"
+        )
+    if r.nodes_per_engine == 1:
+        return
+    if r.engine == "sglang":
+        raise ConfigError(
+            f"rollout.engine=sglang with rollout.nodes_per_engine={r.nodes_per_engine}: SGLang engines spanning "
+            f"nodes are not supported yet (docs/engines.md): set rollout.nodes_per_engine=1, or use rollout.engine=vllm"
+        )
+    gpus = r.tensor_parallel_size * r.pipeline_parallel_size
+    if gpus % r.nodes_per_engine:
+        raise ConfigError(
+            f"rollout.nodes_per_engine={r.nodes_per_engine} must divide the engine's rollout.tensor_parallel_size "
+            f"x rollout.pipeline_parallel_size = {gpus} GPUs into equal shares per node: use a divisor of {gpus}"
+        )
+    if cfg.placement.colocate_all:
+        raise ConfigError(
+            f"rollout.nodes_per_engine={r.nodes_per_engine} spans nodes, but placement.colocate_all=true shares the "
+            f"actor's GPUs with the engines and syncs weights by CUDA IPC, which reaches only GPUs of one node: "
+            f"set rollout.nodes_per_engine=1 or placement.colocate_all=false"
+        )
 
 
 def _check_attention(cfg: Any) -> None:
@@ -306,9 +409,26 @@ def _check_attention(cfg: Any) -> None:
         )
 
 
+def _check_lora(cfg: Any) -> None:
+    """The LoRA keys' list; which layers they name is checked where the model is (inputs/lora.py)."""
+    targets = cfg.model.lora_target_modules
+    if not targets:
+        raise ConfigError(
+            "model.lora_target_modules is empty with model.lora_rank > 0: name the linear layers that get "
+            "adapters, e.g. model.lora_target_modules=[q_proj,v_proj], or all-linear"
+        )
+    if "all-linear" in targets and len(targets) > 1:
+        raise ConfigError(
+            f"model.lora_target_modules={targets}: all-linear already names every linear layer; give it alone "
+            f"or list layer names without it"
+        )
+
+
 def response_limit(cfg: Any) -> int:
     """The longest response the sampler may produce, in tokens (the constant of the overlong penalty and
     of actor.loss_agg_mode=seq-mean-token-sum-norm)."""
+    if cfg.rollout.environment:
+        return cfg.rollout.max_episode_tokens
     return cfg.search.max_response_tokens if cfg.search.enabled else cfg.rollout.max_new_tokens
 
 
@@ -327,6 +447,7 @@ def _check_objective(cfg: Any) -> None:
             f"set actor.dual_clip=0, or actor.policy_loss=ppo"
         )
     limit_key = "search.max_response_tokens" if cfg.search.enabled else "rollout.max_new_tokens"
+    limit_key = "rollout.max_episode_tokens" if cfg.rollout.environment else limit_key
     if a.overlong_buffer > response_limit(cfg):
         raise ConfigError(
             f"algorithm.overlong_buffer={a.overlong_buffer} is longer than the response limit "

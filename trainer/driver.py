@@ -104,7 +104,11 @@ class Trainer:
         """The step being run (or the last finished one between steps)."""
         scorers = None if cfg.reward.in_driver else roles.reward.workers
         self.rollouts = RolloutQueue(
-            roles.rollout.workers, roles.rollout.labels(), cfg.trainer.worker_timeout_s, scorers
+            roles.rollout.workers,
+            roles.rollout.labels(),
+            cfg.trainer.worker_timeout_s,
+            scorers,
+            samples=bool(cfg.rollout.environment),
         )
         self.in_flight = StepsInFlight(self.rollouts, settle_each_step=not cfg.rollout.policy_lag)
         self.push_weights = WeightPush(cfg, roles, self.rollouts)

@@ -74,6 +74,10 @@ def check_inputs(cfg: Config) -> None:
     fix: the reward function (its file imported), every model setting (a directory that exists, or a hub
     id the hub can serve), every prompt file and local dataset (and the hub for hub datasets)."""
     resolve_reward_fn(cfg.reward.function)
+    if cfg.rollout.environment:
+        from .rollout.environment import load_environment
+
+        load_environment(cfg.rollout.environment)
     check_model_path("model.path", cfg.model.path)
     for key, path in (("critic.model_path", cfg.critic.model_path), ("reward.model_path", cfg.reward.model_path)):
         if path:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .config_checks import coerce, unknown_key_error
+from .config_checks import KEYS_SET, coerce, unknown_key_error
 from .errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -228,7 +228,7 @@ def set_key(cfg: Any, key: str, value: Any, source: str, explicit: bool = True) 
         raise unknown_key_error(key, all_keys(cfg), source) from None
     value = coerce(key, value, key_type(cfg, key))
     setattr(owner, f.name, value)
-    keys_set = vars(cfg).setdefault("_keys_set", set())  # not a field: never saved, never compared
+    keys_set = vars(cfg).setdefault(KEYS_SET, set())
     if explicit:
         keys_set.add(key)
     defaults = DEPENDENT_DEFAULTS[key].get(value, {}) if key in DEPENDENT_DEFAULTS else {}

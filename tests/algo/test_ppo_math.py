@@ -119,6 +119,75 @@ def test_logprobs_and_entropy_from_logits(seed):
     assert_close(pm.entropy_from_logits(logits), exp_h)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_token_stats_from_logits_match_a_loop_in_chunks(seed, chunk):
+    """Chunked log-probs and entropy at a temperature equal the per-position loop, whatever the chunk."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, V, temp = 3, 5, 11, 0.7
+    logits = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 3
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    exp_lp = [[0.0] * T for _ in range(B)]
+    exp_h = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in range(T):
+            logp = naive_log_softmax([z / temp for z in logits[b, t].tolist()])
+            exp_lp[b][t] = logp[int(tokens[b, t])]
+            exp_h[b][t] = -sum(math.exp(lp) * lp for lp in logp)
+    # float32 inside (the chunks are converted), so float32's tolerance
+    lp, h = pm.token_stats_from_logits(logits, tokens, temp, entropy=True, chunk_tokens=chunk)
+    assert lp.dtype == h.dtype == torch.float32
+    assert_close(lp, exp_lp, tol=1e-5)
+    assert_close(h, exp_h, tol=1e-5)
+    assert_close(pm.token_stats_from_logits(logits, tokens, temp, chunk_tokens=chunk), exp_lp, tol=1e-5)
+
+
+@pytest.mark.parametrize("outputs", ["logprobs", "entropy", "both"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_token_stats_gradients_are_those_of_the_plain_formulas(seed, outputs):
+    """The hand-written backward (softmax recomputed per chunk) gives autograd's gradient of the plain
+    formulas on logits.float() / temperature, for either output and both together."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, V, temp = 2, 7, 13, 1.3
+    base = torch.randn(B, T, V, generator=g) * 2
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    up_lp = torch.randn(B, T, generator=g)
+    up_h = torch.randn(B, T, generator=g)
+
+    def loss(lp, h):
+        total = 0
+        if outputs in ("logprobs", "both"):
+            total = total + (lp * up_lp).sum()
+        if outputs in ("entropy", "both"):
+            total = total + (h * up_h).sum()
+        return total
+
+    plain = base.clone().requires_grad_()
+    z = plain.float() / temp
+    loss(pm.logprobs_from_logits(z, tokens), pm.entropy_from_logits(z)).backward()
+    chunked = base.clone().requires_grad_()
+    lp, h = pm.token_stats_from_logits(chunked, tokens, temp, entropy=True, chunk_tokens=3)
+    loss(lp, h).backward()
+    torch.testing.assert_close(chunked.grad, plain.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_token_stats_keep_the_logits_dtype_and_no_float32_copy():
+    """bf16 logits: the gradient comes back in bf16, and what autograd keeps for the backward is the bf16
+    logits themselves (no [B, T, V] float32 tensor saved)."""
+    B, T, V = 2, 6, 32
+    logits = (torch.randn(B, T, V) * 2).to(torch.bfloat16).requires_grad_()
+    tokens = torch.randint(0, V, (B, T))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lp, h = pm.token_stats_from_logits(logits, tokens, entropy=True, chunk_tokens=4)
+    big = [t for t in saved if t.dim() == 3]
+    assert [t.dtype for t in big] == [torch.bfloat16]
+    (lp.sum() + h.sum()).backward()
+    assert logits.grad.dtype == torch.bfloat16
+    reference = pm.logprobs_from_logits(logits.detach().float(), tokens)
+    torch.testing.assert_close(lp, reference, rtol=1e-6, atol=1e-6)
+
+
 def test_logits_helpers_are_stable_for_huge_logits():
     V = 5
     logits = torch.full((1, 2, V), 1e4)  # float32: a naive exp would overflow

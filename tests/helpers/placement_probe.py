@@ -38,7 +38,7 @@ class Probe:
             "kwargs": self.kwargs,
         }
 
-    def master_address(self) -> tuple[str, int]:
+    def open_rendezvous(self) -> tuple[str, int]:
         return "127.0.0.1", 0
 
     def start_training(self, addr: str, port: int) -> None:

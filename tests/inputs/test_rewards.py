@@ -141,8 +141,8 @@ def user_files(tmp_path, monkeypatch):
     [
         (
             "gsm8",
-            "unknown reward function 'gsm8' (did you mean gsm8k?): built-ins are answer_em, arithmetic, auto, exact_match, "
-            "gsm8k; for your own use reward.function=my_module:my_fn or reward.function=path/to/file.py:my_fn",
+            "unknown reward function 'gsm8' (did you mean gsm8k?): built-ins are answer_em, arithmetic, auto, code_tests, "
+            "exact_match, gsm8k, none; for your own use reward.function=my_module:my_fn or reward.function=path/to/file.py:my_fn",
         ),
         ("qqqq", "unknown reward function 'qqqq': built-ins are"),
         ("mine:", "reward.function='mine:' is not MODULE:FUNCTION or FILE.py:FUNCTION"),

@@ -23,7 +23,16 @@ from cloudrl.trainer.config_checks import coerce, validate
 from cloudrl.trainer.presets import all_keys
 
 TRAINER_DIR = Path(config_module.__file__).parent
-PRESETS = ["local", "gsm8k-7b", "search-r1", "dapo", "gspo"]  # every shipped preset, each tested below
+PRESETS = [
+    "local",
+    "gsm8k-7b",
+    "search-r1",
+    "dapo",
+    "gspo",
+    "calculator",
+    "engine-2node",
+    "sglang-2x8",
+]  # every shipped preset, each tested below
 
 
 def error_of(overrides: list[str], preset: str = "local") -> str:
@@ -43,11 +52,11 @@ def assert_names(message: str, *parts: str) -> None:
 
 LITERAL_KEYS = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "rollout.engine": ("hf", "vllm"),
+    "rollout.engine": ("hf", "vllm", "sglang"),
     "algorithm.name": ALGORITHMS,
     "algorithm.kl_mode": ("reward", "loss"),
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
-    "trainer.loggers": ("console", "jsonl", "tensorboard", "wandb"),
+    "trainer.loggers": ("console", "jsonl", "tensorboard", "wandb", "mlflow"),
 }
 
 
@@ -70,19 +79,20 @@ def test_literal_key_rejects_a_bad_value_with_the_closest_choice(override: str, 
 
 
 def test_literal_key_without_a_close_choice_lists_them_all() -> None:
-    assert error_of(["rollout.engine=16"]) == "rollout.engine=16 is not one of hf, vllm"
+    assert error_of(["rollout.engine=16"]) == "rollout.engine=16 is not one of hf, vllm, sglang"
 
 
 def test_literal_key_is_checked_in_a_preset_file_too(tmp_path: Path) -> None:
     preset = tmp_path / "p.yaml"
     preset.write_text("rollout:\n  engine: vlm\n")
-    assert error_of([], str(preset)) == "rollout.engine='vlm' is not one of hf, vllm (did you mean vllm?)"
+    assert error_of([], str(preset)) == "rollout.engine='vlm' is not one of hf, vllm, sglang (did you mean vllm?)"
 
 
 @pytest.mark.parametrize("key", LITERAL_KEYS)
 def test_every_choice_of_a_literal_key_loads(key: str) -> None:
     for value in LITERAL_KEYS[key]:
         n = ["rollout.n=2"] if key == "algorithm.name" else []
+        n += ["rollout.gpus_per_engine=1"] if value == "sglang" else []  # SGLang runs on GPUs only
         value_text = f"[{value}]" if key == "trainer.loggers" else value
         cfg = load_config(
             "local",
@@ -204,7 +214,20 @@ RULES = [
         ["reward.in_driver=true", "reward.model_path=/rm"],
         ["reward.in_driver=true", "reward.model_path is set", "drop one of them"],
     ),
+    (
+        ["placement.colocate_all=true", "rollout.engine=vllm", "rollout.sleep_between_rollouts=false"],
+        ["rollout.sleep_between_rollouts=false", "placement.colocate_all=true", "drop the key"],
+    ),
 ]
+
+
+def test_colocate_all_turns_the_engines_sleep_on_unless_refused() -> None:
+    """Left unset, the key is off and colocate_all makes the engines sleep anyway; set to false it is refused
+    above rather than overridden in silence."""
+    from cloudrl.trainer.rollout.vllm_engine import engines_sleep
+
+    cfg = load_config("local", ["placement.colocate_all=true", "rollout.engine=vllm"])
+    assert not cfg.rollout.sleep_between_rollouts and engines_sleep(cfg)
 
 
 @pytest.mark.parametrize("overrides, parts", RULES, ids=[" ".join(o) for o, _ in RULES])

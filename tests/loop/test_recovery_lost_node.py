@@ -200,7 +200,7 @@ class Probe:
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
                 "ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "gpus": []}
 
-    def master_address(self):
+    def open_rendezvous(self):
         return "127.0.0.1", 0
 
     def start_training(self, addr, port):

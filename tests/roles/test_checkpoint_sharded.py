@@ -116,8 +116,8 @@ def test_sharded_checkpoint_reshards_between_two_ranks_and_one(ray_local, tmp_pa
     import ray
     from cloudrl.trainer.algo.batch import update_shards
     from cloudrl.trainer.state.shards import load_roles, save_roles
+    from policy_groups import fixed_batch, policy_group
     from ray.util import remove_placement_group
-    from test_multinode import _fixed_batch, _policy_group
 
     overrides = [
         "actor.mini_batch_size=16",
@@ -134,7 +134,7 @@ def test_sharded_checkpoint_reshards_between_two_ranks_and_one(ray_local, tmp_pa
 
     def with_group(world: int, body):
         cfg = load_config("local", overrides)
-        group, pg = _policy_group(cfg, model_path, world)
+        group, pg = policy_group(cfg, model_path, world)
         try:
             return body(cfg, SimpleNamespace(actor=group, critic=None))
         finally:
@@ -153,7 +153,7 @@ def test_sharded_checkpoint_reshards_between_two_ranks_and_one(ray_local, tmp_pa
         )
 
     def train_and_save(cfg, roles):
-        batch = _fixed_batch(cfg, 16)
+        batch = fixed_batch(cfg, 16)
         shards, norms = update_shards(batch, 2, cfg.actor, seed=3)
         ray.get([w.update.remote(s, norms, 0.0) for w, s in zip(roles.actor.workers, shards)])
         return save(cfg, roles, tmp_path / "w2", 1)

@@ -53,7 +53,7 @@ def test_gpu_smoke_on_cpu(tmp_path):
     # Engine and trainer hold the same float32 weights after every sync.
     assert res["rollout/logprob_diff_max"] < 1e-3
     assert res["update/logprob_diff"] < 1e-3
-    assert "| parameters changed" in proc.stdout and "ray / vllm imported" in proc.stdout
+    assert "| trained parameters changed" in proc.stdout and "ray / vllm imported" in proc.stdout
 
 
 def test_gpu_smoke_fsdp_bf16_without_installed_package(tmp_path):

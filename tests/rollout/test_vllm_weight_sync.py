@@ -388,18 +388,19 @@ def test_every_llm_call_matches_vllms_signatures(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "version,ok", [("0.32.0", True), ("0.32.4+cpu", True), ("0.31.9", False), ("0.33.0", False), ("1.0.0", False)]
+    "version,ok",
+    [("0.32.0", True), ("0.32.4+cpu", True), ("0.33.0", True), ("0.31.9", False), ("0.34.0", False), ("1.0.0", False)],
 )
 def test_vllm_version_outside_the_tested_line_is_a_config_error(monkeypatch, version, ok):
     monkeypatch.setattr(vllm_engine, "_installed_version", lambda: version)
     if ok:
         assert vllm_engine.check_vllm_available() == version
         return
-    with pytest.raises(ConfigError, match=rf"found {version}\).*pip install 'vllm>=0\.32,<0\.33'") as err:
+    with pytest.raises(ConfigError, match=rf"found {version}\).*pip install 'vllm>=0\.32,<0\.34'") as err:
         vllm_engine.check_vllm_available()
     assert "\n" not in str(err.value)
     pyproject = pytest.importorskip("tomllib").loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    assert pyproject["project"]["optional-dependencies"]["vllm"] == ["vllm>=0.32,<0.33"]
+    assert pyproject["project"]["optional-dependencies"]["vllm"] == ["vllm>=0.32,<0.34"]
 
 
 def test_weight_source_sends_the_engines_dtype():

@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # algo/ imports torch and itself only; the config is read, ne
 
 def response_limit(cfg: Config) -> int:
     """The longest response the sampler may produce, in tokens (multi-turn: observations included)."""
+    if cfg.rollout.environment:
+        return cfg.rollout.max_episode_tokens
     return cfg.search.max_response_tokens if cfg.search.enabled else cfg.rollout.max_new_tokens
 
 

@@ -111,6 +111,74 @@ def entropy_from_logits(logits):
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
 
 
+def token_stats_from_logits(logits, tokens, temperature=1.0, entropy=False, chunk_tokens=1024):
+    """log pi(token) and, with `entropy`, H of softmax(logits / temperature), in float32, from logits of any
+    float dtype.  logits [B, T, V], tokens [B, T] (int) -> (logprobs [B, T], entropy [B, T] or None).
+
+    The same numbers as `logprobs_from_logits` and `entropy_from_logits` on `logits.float() / temperature`,
+    with the memory of neither: those keep float32 copies of the whole [B, T, V] for their backward (and
+    allocate as much again while they run), where this keeps only `logits` as given (bf16 from a bf16 model)
+    and works through `chunk_tokens` positions at a time, forward and backward, recomputing the softmax of
+    each chunk in its backward. Gradients (to logits, of both outputs) are those of the plain formulas:
+      d logpi / dz_k = 1[k = token] - p_k        d H / dz_k = -p_k (log p_k + H)
+    with z = logits / temperature (and 1/temperature more to the logits themselves).
+    """
+    return _TokenStats.apply(logits, tokens, float(temperature), bool(entropy), int(chunk_tokens))
+
+
+def _chunks(shape, chunk_tokens):
+    """Index pairs (rows, positions) covering [B, T] in pieces of at most chunk_tokens positions: whole rows
+    together while a row fits, else each row in runs."""
+    rows, length = shape[0], shape[1]
+    if length <= chunk_tokens:
+        per = max(1, chunk_tokens // max(length, 1))
+        for b in range(0, rows, per):
+            yield slice(b, b + per), slice(None)
+        return
+    for b in range(rows):
+        for start in range(0, length, chunk_tokens):
+            yield slice(b, b + 1), slice(start, start + chunk_tokens)
+
+
+class _TokenStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, entropy, chunk_tokens):
+        B, T = tokens.shape
+        logprobs = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(logprobs)
+        ent = torch.empty_like(logprobs) if entropy else None
+        for at in _chunks((B, T), chunk_tokens):
+            z = logits[at].float() / temperature
+            lse[at] = torch.logsumexp(z, dim=-1)
+            logprobs[at] = z.gather(-1, tokens[at].long().unsqueeze(-1)).squeeze(-1) - lse[at]
+            if entropy:  # H = lse - sum_v p_v z_v, with p's temporary reused in place
+                p = (z - lse[at].unsqueeze(-1)).exp_()
+                ent[at] = lse[at] - p.mul_(z).sum(-1)
+        ctx.save_for_backward(logits, tokens, lse, ent if entropy else lse)
+        ctx.temperature, ctx.entropy, ctx.chunk_tokens = temperature, entropy, chunk_tokens
+        if not entropy:
+            return logprobs
+        return logprobs, ent
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy=None):
+        logits, tokens, lse, ent = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        for at in _chunks(tokens.shape, ctx.chunk_tokens):
+            logp = (logits[at].float() / ctx.temperature).sub_(lse[at].unsqueeze(-1))
+            p = logp.exp()
+            if grad_logprobs is not None:
+                g_lp = grad_logprobs[at].unsqueeze(-1)
+                g = p * -g_lp
+                g.scatter_add_(-1, tokens[at].long().unsqueeze(-1), g_lp)
+            else:
+                g = torch.zeros_like(p)
+            if ctx.entropy and grad_entropy is not None:  # g -= g_H * p * (log p + H), in logp's memory
+                g.sub_(logp.add_(ent[at].unsqueeze(-1)).mul_(p).mul_(grad_entropy[at].unsqueeze(-1)))
+            grad[at] = g.div_(ctx.temperature)
+        return grad, None, None, None, None
+
+
 # ----------------------------------------------------------------------------------------------
 # KL between the policy and the reference, from tokens sampled by the policy
 # ----------------------------------------------------------------------------------------------

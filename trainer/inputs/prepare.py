@@ -18,7 +18,7 @@ from ..state import checkpoint
 from ..state.run_dir import resume_point, under_runs_dir
 from .data import PromptRecord, load_prompts
 from .models import load_tokenizer, quiet_transformers, resolve_path
-from .rewards import resolve_reward_fn
+from .rewards import resolve_reward
 
 
 @dataclass
@@ -67,7 +67,7 @@ def train_inputs(cfg: Config) -> Inputs:
     checkpoint.forget(cfg.trainer.run_dir)  # this run's timeline is decided below, from run_dir alone
     resume_from = resume_point(cfg.trainer.run_dir, cfg.trainer.resume)
     checkpoint.check_writable(cfg.trainer.run_dir)
-    reward_fn = resolve_reward_fn(cfg.reward.function)
+    reward_fn = resolve_reward(cfg.reward)
     model_path = resolve_path(cfg.model.path, cfg)
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
     critic_path = resolve_path(cfg.critic.model_path, cfg) if cfg.critic.model_path else model_path
@@ -88,7 +88,7 @@ def eval_inputs(cfg: Config) -> Inputs:
     run_dir's timeline is left as it is."""
     quiet_transformers()
     cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
-    reward_fn = resolve_reward_fn(cfg.reward.function)
+    reward_fn = resolve_reward(cfg.reward)
     model_path = resolve_path(cfg.model.path, cfg)
     tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
     critic_path = resolve_path(cfg.critic.model_path, cfg) if cfg.critic.model_path else model_path

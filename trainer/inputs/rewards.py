@@ -4,7 +4,8 @@ The trainer calls a reward function once per batch with the decoded responses (s
 removed) and, as keyword lists aligned with them, `prompts`, `ground_truth`, `data_source` and
 every extra dataset column. Pick one with `reward.function=`:
 
-    reward.function=gsm8k                       # a built-in: answer_em, arithmetic, auto, exact_match, gsm8k
+    reward.function=gsm8k                       # a built-in: answer_em, arithmetic, auto, code_tests,
+                                                # exact_match, gsm8k, none
     reward.function=my_rewards:format_bonus     # an importable module
     reward.function=rewards/mine.py:score_fn    # a file, relative to the current directory
 
@@ -14,13 +15,12 @@ Your function must accept `**kwargs`, since new columns may be passed at any tim
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib
 import importlib.util
 import math
 import numbers
+import os
 import re
-import sys
 import threading
 import time
 import traceback
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..errors import DataError, RewardError
 from .data import RESERVED_COLUMNS, PromptRecord, _short
+from .user_files import load_user_file
 
 RewardFn = Callable[..., list[float]]
 
@@ -117,12 +118,107 @@ def answer_em(completions: list[str], ground_truth: list[str], **kwargs) -> list
     return scores
 
 
+_FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+
+def _completion_code(text: str) -> str:
+    """The completion's program: its last ```python (or ```py) block, else its last ``` block, else all of it."""
+    blocks = _FENCE.findall(text)
+    python = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3")]
+    return python[-1] if python else blocks[-1][1] if blocks else text
+
+
+def _test_snippets(truth) -> list[str]:
+    """A code_tests ground truth as its tests: a list of snippets (or a JSON list of them), each one test;
+    or Python source, each top-level statement one test."""
+    import ast
+    import json
+
+    if isinstance(truth, str) and truth.lstrip().startswith("["):
+        try:
+            truth = json.loads(truth)
+        except ValueError:
+            pass
+    if isinstance(truth, (list, tuple)):
+        return [str(t) for t in truth]
+    source = str(truth)
+    try:
+        return [ast.get_source_segment(source, node) or "" for node in ast.parse(source).body]
+    except SyntaxError as exc:
+        raise DataError(
+            f"code_tests: a ground truth is not Python ({exc.msg}, line {exc.lineno}): fix the dataset"
+        ) from exc
+
+
+# The harness around the completion's code. It reads a secret marker from stdin and closes stdin before the
+# untrusted code runs, and keeps the marker in a closure rather than a global, so the code cannot print pass
+# lines of its own by accident or by reading __main__; each test that passes prints one.
+_HARNESS = """import sys as _s, os as _o
+def _reporter(marker, out):
+    def say(i):
+        out.write("\\n%s pass %d\\n" % (marker, i))
+        out.flush()
+    return say
+_say = _reporter(_s.stdin.readline().strip(), _s.__stdout__)
+_o.close(0)
+_o.open(_o.devnull, _o.O_RDONLY)
+_s.stdout = open(_o.devnull, "w")  # the program's own prints would crowd the pass lines out of the output limit
+_tests = {tests!r}
+_g = {{"__name__": "__main__"}}
+try:
+    exec(compile({code!r}, "solution.py", "exec"), _g)
+except BaseException:
+    _s.exit(1)
+for _i, _t in enumerate(_tests):
+    try:
+        exec(compile(_t, "test_%d.py" % _i, "exec"), _g)
+    except BaseException:
+        continue
+    _say(_i)
+"""
+
+
+def code_tests(completions: list[str], ground_truth: list, **kwargs) -> list[float]:
+    """The fraction of the ground truth's tests the completion's code passes. The code is the last
+    ```python block of the completion (else its last ``` block, else the whole text); the ground truth is
+    a list of test snippets (or a JSON list of them), or Python source whose top-level statements are each
+    one test (e.g. `assert add(1, 2) == 3`). Each completion runs with its tests in the sandbox
+    (inputs/sandbox.py: a separate process, no network, 5 s, 512 MB), never in this process; a program
+    that crashes or times out keeps the tests it passed before."""
+    import secrets
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .sandbox import Limits, run_python
+
+    tests = [_test_snippets(truth) for truth in ground_truth]
+    programs = [_HARNESS.format(code=_completion_code(c), tests=t) for c, t in zip(completions, tests)]
+    markers = [secrets.token_hex(16) for _ in programs]
+    if not programs:
+        return []
+    # The marker goes in on stdin, so it is never in the program's text, which the code could read; as
+    # many programs at once as this process has CPUs (what sandbox.run_many does, with a stdin each).
+    with ThreadPoolExecutor(min(len(os.sched_getaffinity(0)), len(programs)), thread_name_prefix="code_tests") as pool:
+        results = list(pool.map(lambda p, m: run_python(p, Limits(), stdin=m + "\n"), programs, markers))
+    scores = []
+    for result, marker, cases in zip(results, markers, tests):
+        passed = {line.split()[-1] for line in result.stdout.splitlines() if line.startswith(marker + " pass ")}
+        scores.append(len(passed) / len(cases) if cases else 0.0)
+    return scores
+
+
+def none(completions: list[str], **kwargs) -> list[float]:
+    """0.0 for every completion: with reward.url (or reward.model_path), that score alone."""
+    return [0.0] * len(completions)
+
+
 BUILTINS: dict[str, RewardFn] = {
     "answer_em": answer_em,
     "arithmetic": arithmetic,
     "auto": auto,
+    "code_tests": code_tests,
     "exact_match": exact_match,
     "gsm8k": gsm8k,
+    "none": none,
 }
 
 
@@ -150,7 +246,7 @@ def resolve_reward_fn(spec: str) -> RewardFn:
             f"write it like my_rewards:score or rewards/mine.py:score"
         )
     if location.endswith(".py") or "/" in location or "\\" in location or Path(location).is_file():
-        module, where = _load_file(location, spec), location
+        module, where = load_user_file(location, "reward", "reward.function", spec), location
     else:
         module, where = _import_module(location), f"module {location}"
     if not hasattr(module, name):
@@ -170,6 +266,33 @@ def resolve_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+def resolve_reward(reward) -> RewardFn:
+    """The reward of `Config.reward`: `reward.function`, plus `reward.url_weight` times the HTTP scorer's
+    score when `reward.url` is set (`reward.function=none`: the scorer's alone)."""
+    fn = resolve_reward_fn(reward.function)
+    if not reward.url:
+        return fn
+    from .remote_reward import RemoteReward
+
+    remote = RemoteReward.from_config(reward)
+    weight = reward.url_weight
+    if fn is none:
+        return lambda completions, **columns: [weight * v for v in remote(completions, **columns)]
+
+    def with_url(completions: list[str], **columns) -> list[float]:
+        local = fn(completions, **columns)
+        if hasattr(local, "tolist") and not isinstance(local, (list, tuple)):
+            local = local.tolist()  # numpy arrays and torch tensors
+        if not isinstance(local, (list, tuple)) or len(local) != len(completions):
+            raise RewardError(
+                f"reward.function={reward.function} returned {_short(local)}: it must return a list of "
+                f"{len(completions)} numbers, one per completion"
+            )
+        return [a + weight * b for a, b in zip(local, remote(completions, **columns))]
+
+    return with_url
+
+
 def _import_module(location: str):
     try:
         return importlib.import_module(location)
@@ -185,54 +308,6 @@ def _import_module(location: str):
         raise DataError(
             f"importing reward module {location!r} failed ({type(exc).__name__}: {exc}): fix the module"
         ) from exc
-
-
-def _load_file(location: str, spec: str):
-    path = Path(location)
-    if not path.is_absolute():
-        path = Path.cwd() / path
-    if path.suffix != ".py":
-        raise DataError(f"reward file {location!r} must be a .py file: fix reward.function={spec!r}")
-    if not path.is_file():
-        raise DataError(
-            f"reward file not found: {path} (relative paths start at {Path.cwd()}): fix reward.function={spec!r}"
-        )
-    # A unique module name per file, registered in sys.modules so the module behaves like an
-    # imported one (dataclasses and pickling look it up there).
-    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]
-    mod_name = f"cloudrl_reward_{path.stem}_{digest}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    module_spec = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[mod_name] = module
-    # The file's own directory first on sys.path while it runs, as for `python file.py`: a helper module
-    # beside it imports (`from helpers import x`); kept at the end for imports made later, inside calls.
-    folder = str(path.parent.resolve())
-    sys.path.insert(0, folder)
-    try:
-        module_spec.loader.exec_module(module)
-    except ModuleNotFoundError as exc:
-        del sys.modules[mod_name]
-        raise DataError(_missing_module(path, location, exc)) from exc
-    except Exception as exc:
-        del sys.modules[mod_name]
-        raise DataError(f"loading reward file {path} failed ({type(exc).__name__}: {exc}): fix the file") from exc
-    finally:
-        sys.path.remove(folder)
-        if folder not in sys.path:
-            sys.path.append(folder)
-    return module
-
-
-def _missing_module(path: Path, location: str, exc: ModuleNotFoundError) -> str:
-    """The one line for a reward file that imports a module this process cannot find: the file as the
-    user wrote it (not the copy's path on a node) and the fixes (ship your code, or install the package)."""
-    return (
-        f"reward file {location} imports {exc.name or 'a module'!r}, which is neither beside it nor installed "
-        f"({type(exc).__name__}: {exc}): with `cloudrl submit`, ship your code with --workdir . (from the "
-        f"directory that holds it) or install the package with --pip NAME"
-    )
 
 
 # ----------------------------------------------------------------------------------------------

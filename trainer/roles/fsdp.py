@@ -25,6 +25,8 @@ ModelKind = Literal["causal_lm", "value"]
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    if hasattr(type(model), "get_base_model"):  # LoRA: peft's wrapper around the transformers model
+        model = model.get_base_model()
     layers = getattr(getattr(model, getattr(model, "base_model_prefix", "model"), model), "layers", None)
     return list(layers) if layers is not None else []
 

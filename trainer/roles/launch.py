@@ -91,11 +91,12 @@ class ActorGroup:
         return self.places
 
     def start_training(self) -> None:
-        """Every rank joins the role's process group (rank 0's node and a free port there), then
-        shards its model and builds its optimizer: FSDP2 needs the group before sharding."""
+        """Every rank joins the role's process group (rank 0 opens its rendezvous on its node's IP and
+        a port it holds), then shards its model and builds its optimizer: FSDP2 needs the group before
+        sharding."""
         labels = self.labels()
         ((addr, port),) = get_all(
-            [self.workers[0].master_address.remote()], labels[:1], self.timeout_s, f"starting the {self.name} workers"
+            [self.workers[0].open_rendezvous.remote()], labels[:1], self.timeout_s, f"starting the {self.name} workers"
         )
         get_all(
             [w.start_training.remote(addr, port) for w in self.workers],

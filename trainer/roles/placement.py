@@ -6,6 +6,11 @@ share of the role (a bundle never spans nodes), so the bundle shapes carry the p
 with `rollout.tensor_parallel_size=4` is one bundle of 4 GPUs. Every data-parallel rank asks Ray for one
 whole GPU of its bundle, so no two ranks of a process group share a device.
 
+An engine wider than a node (`rollout.nodes_per_engine` > 1) is the exception: its tensor x pipeline
+parallel GPUs are one-GPU bundles (`bundles_per_worker` of them per engine, consecutive in the group),
+packed node by node, because vLLM's Ray executor starts one worker per one-GPU bundle. The engine's own
+actor sits in its first bundle and asks for no GPU (`Slot.gpus` 0, CUDA_VISIBLE_DEVICES left to Ray).
+
 Colocated roles ("guests") run in their own processes inside the bundles of the role they sit with
 (their "host") and ask Ray for no GPU: each guest worker is given the GPUs of a block of host ranks
 (`guest_slots`), so an engine under `placement.colocate_all` sees exactly the GPUs its actor ranks train
@@ -19,6 +24,9 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import Config, ConfigError
+
+GPU_ENGINES = ("vllm", "sglang")
+"""Engines that run on GPUs of their own, sized by tensor and pipeline parallelism."""
 
 
 class ClusterTooSmall(ConfigError):
@@ -43,17 +51,25 @@ class RoleRequest:
     in_process: list[str] = field(default_factory=list)
     """Roles served by these workers' own processes: the reference model (`colocate_actor_ref`), the
     rollout (`rollout_in_actor`)."""
+    bundles_per_worker: int = 1
+    """Bundles one worker's processes use (an engine spanning nodes: one per GPU); 1 everywhere else."""
 
     @property
     def num_workers(self) -> int:
-        return len(self.bundles) * self.workers_per_bundle
+        return len(self.bundles) * self.workers_per_bundle // self.bundles_per_worker
 
     @property
     def has_gpus(self) -> bool:
         return any(b.get("GPU", 0) for b in self.bundles)
 
     def bundle_of(self, rank: int) -> int:
-        return rank // self.workers_per_bundle
+        """The bundle worker `rank` runs in (the first of its bundles when it uses several)."""
+        return rank // self.workers_per_bundle * self.bundles_per_worker
+
+    def bundles_of(self, rank: int) -> list[int]:
+        """Every bundle worker `rank`'s processes use: its own, and its engine's other GPUs."""
+        first = self.bundle_of(rank)
+        return list(range(first, first + self.bundles_per_worker))
 
     def total(self, resource: str) -> float:
         return sum(b.get(resource, 0.0) for b in self.bundles)
@@ -94,10 +110,12 @@ def guest_slots(cfg: Config, host: RoleRequest, role: str) -> list[list[int]]:
             f"cannot each take a whole block of them on one node: use a worker count that divides {world} "
             f"into blocks within a node's {host.workers_per_bundle} GPUs"
         )
-    if role == "rollout" and cfg.rollout.engine == "vllm" and block != cfg.rollout.tensor_parallel_size:
+    r = cfg.rollout
+    if role == "rollout" and r.engine in GPU_ENGINES and block != r.ranks_per_engine:
         raise ConfigError(
-            f"colocated vLLM engines tile the {host.role}'s {world} GPUs: set rollout.num_engines x "
-            f"rollout.tensor_parallel_size = {world} (now {count} x {cfg.rollout.tensor_parallel_size})"
+            f"colocated {r.engine} engines tile the {host.role}'s {world} GPUs: set rollout.num_engines x "
+            f"rollout.tensor_parallel_size x rollout.pipeline_parallel_size = {world} "
+            f"(now {count} x {r.tensor_parallel_size} x {r.pipeline_parallel_size})"
         )
     return [list(range(i * block, (i + 1) * block)) for i in range(count)]
 
@@ -134,15 +152,24 @@ def _role_request(cfg: Config, role: str) -> RoleRequest:
     )
 
 
+def spans_nodes(cfg: Config) -> bool:
+    """Each engine's GPUs are spread over several nodes (rollout.nodes_per_engine > 1)."""
+    return cfg.rollout.engine in GPU_ENGINES and cfg.rollout.nodes_per_engine > 1
+
+
 def _rollout_request(cfg: Config) -> RoleRequest:
     r = cfg.rollout
     engines = f"rollout.num_engines={r.num_engines}"
-    if r.engine == "vllm":
-        # On a GPU run a vLLM engine always owns its GPUs: the GPU build cannot run on a CPU-only slot.
-        on_gpus = r.gpus_per_engine > 0 or r.tensor_parallel_size > 1 or cfg.actor.gpus_per_node > 0
-        gpus = float(r.tensor_parallel_size) if on_gpus else 0.0
-        cpus = r.cpus_per_engine * r.tensor_parallel_size
+    if spans_nodes(cfg):
+        return _spanning_rollout_request(cfg)
+    if r.engine in GPU_ENGINES:
+        # On a GPU run an engine always owns its GPUs: the GPU builds cannot run on a CPU-only slot.
+        on_gpus = r.gpus_per_engine > 0 or r.ranks_per_engine > 1 or cfg.actor.gpus_per_node > 0
+        gpus = float(r.ranks_per_engine) if on_gpus else 0.0
+        cpus = r.cpus_per_engine * r.ranks_per_engine
         keys = f"{engines} x rollout.tensor_parallel_size={r.tensor_parallel_size}"
+        if r.pipeline_parallel_size > 1:
+            keys += f" x rollout.pipeline_parallel_size={r.pipeline_parallel_size}"
         cpu_keys = f"{keys} x rollout.cpus_per_engine={r.cpus_per_engine:g}"
     else:
         gpus, cpus = r.gpus_per_engine, r.cpus_per_engine
@@ -157,6 +184,33 @@ def _rollout_request(cfg: Config) -> RoleRequest:
     per_resource.update({name: f"{engines} x rollout.resources.{name}={r.resources[name]:g}" for name in r.resources})
     return RoleRequest(
         "rollout", [dict(bundle) for _ in range(r.num_engines)], "PACK", 1, keys=keys, resource_keys=per_resource
+    )
+
+
+def _spanning_rollout_request(cfg: Config) -> RoleRequest:
+    """Engines wider than a node: one one-GPU bundle per engine GPU, engine after engine, packed so that
+    a node's bundles fill before the next node's (Ray's PACK). One placement group holds them all; each
+    engine's vLLM takes its own consecutive bundles (`vllm_engine.engine_args`: VLLM_RAY_BUNDLE_INDICES)."""
+    r = cfg.rollout
+    per_engine = r.ranks_per_engine
+    bundle = {"GPU": 1.0, "CPU": float(r.cpus_per_engine)}
+    bundle.update(r.resources)
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    keys = (
+        f"rollout.num_engines={r.num_engines} x rollout.tensor_parallel_size={r.tensor_parallel_size} x "
+        f"rollout.pipeline_parallel_size={r.pipeline_parallel_size} over rollout.nodes_per_engine="
+        f"{r.nodes_per_engine} nodes"
+    )
+    per_resource = {"CPU": f"{keys} x rollout.cpus_per_engine={r.cpus_per_engine:g}"}
+    per_resource.update({name: f"{keys} x rollout.resources.{name}={r.resources[name]:g}" for name in r.resources})
+    return RoleRequest(
+        "rollout",
+        [dict(bundle) for _ in range(r.num_engines * per_engine)],
+        "PACK",
+        1,
+        keys=keys,
+        resource_keys=per_resource,
+        bundles_per_worker=per_engine,
     )
 
 
@@ -255,6 +309,8 @@ def check_fits(requests: list[RoleRequest], nodes: list[dict[str, float]], local
                 text = f"{req.role} needs {need} on one node{spread} ({req.keys}), but no node has that much {where}"
                 # The resources no node has enough of (none: the bundles need more distinct nodes).
                 lacking = [k for k, v in bundle.items() if not any(n.get(k, 0.0) + 1e-9 >= v for n in free)]
+                if req.role == "rollout" and "GPU" in lacking and not ever:
+                    text += " (an engine wider than a node: set rollout.nodes_per_engine to the nodes it spans)"
                 misfits.append((text, lacking))
                 for i, taken in placed:  # the role is left out: the others are placed without it
                     for k, v in taken.items():
@@ -354,6 +410,11 @@ def plan_slots(cfg, request: RoleRequest, host_gpus: list[list[str]] | None = No
     for rank in range(request.num_workers):
         b = request.bundle_of(rank)
         bundle = request.bundles[b]
+        if request.bundles_per_worker > 1:
+            # An engine spanning nodes: its GPUs are its vLLM workers', in its bundles; Ray's default
+            # CUDA_VISIBLE_DEVICES stands, the engine decides GPU or not from the config.
+            slots[request.role].append(Slot(bundle=b, cpus=_cpu_share(bundle.get("CPU", 0.0), processes[b])))
+            continue
         slots[request.role].append(
             Slot(
                 bundle=b,

@@ -43,39 +43,41 @@ def forward_logprobs(
     mask = batch["attention_mask"]
     kwargs = {}
     keep = batch["input_ids"].shape[1] - width + 1  # the positions that predict response tokens (+ the last)
-    if _takes_logits_to_keep(type(model)):  # skips the LM head on prompt positions (a vocab-wide matmul each)
+    if _takes_logits_to_keep(_plain_type(model)):  # skips the LM head on prompt positions (a vocab-wide matmul each)
         kwargs["logits_to_keep"] = keep
     logits = model(
         input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids(mask), use_cache=False, **kwargs
     ).logits
-    logits = logits[:, -keep:-1].float() / temperature
-    logprobs = pm.logprobs_from_logits(logits, batch["input_ids"][:, width:])
-    ent = None
-    if entropy == "grad":
-        ent = pm.entropy_from_logits(logits)
-    elif entropy == "metric":
-        with torch.no_grad():
-            ent = pm.entropy_from_logits(logits.detach())
+    logprobs, ent = _token_stats(logits[:, -keep:-1], batch["input_ids"][:, width:], temperature, entropy)
     return logprobs * batch["response_mask"], ent
+
+
+def _token_stats(logits, tokens, temperature: float, entropy: str):
+    """Log-probs and (for `entropy` "grad" or "metric") entropies, in float32 chunks that keep no float32
+    copy of the logits (ppo_math.token_stats_from_logits)."""
+    if entropy == "none":
+        return pm.token_stats_from_logits(logits, tokens, temperature), None
+    logprobs, ent = pm.token_stats_from_logits(logits, tokens, temperature, entropy=True)
+    return logprobs, ent if entropy == "grad" else ent.detach()
 
 
 def _packed_logprobs(model, batch: Batch, temperature: float, entropy: str):
     """forward_logprobs on the packed micro-batch: the LM head runs on the response positions alone."""
     p = pack(batch)
     kwargs = {}
-    if _takes_logits_to_keep(type(model)):  # a tensor of positions keeps just those
+    if _takes_logits_to_keep(_plain_type(model)):  # a tensor of positions keeps just those
         kwargs["logits_to_keep"] = p.predict_at
     logits = model(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids, use_cache=False, **kwargs)
     logits = logits.logits if kwargs else logits.logits[:, p.predict_at]
-    logits = logits.float() / temperature
-    logprobs = pm.logprobs_from_logits(logits, p.targets[None])
-    ent = None
-    if entropy == "grad":
-        ent = p.unpack(pm.entropy_from_logits(logits))
-    elif entropy == "metric":
-        with torch.no_grad():
-            ent = p.unpack(pm.entropy_from_logits(logits.detach()))
+    logprobs, ent = _token_stats(logits, p.targets[None], temperature, entropy)
+    if ent is not None:
+        ent = p.unpack(ent)
     return p.unpack(logprobs) * batch["response_mask"], ent
+
+
+def _plain_type(model) -> type:
+    """The transformers class whose forward runs: under LoRA, peft's wrapper passes its arguments through to it."""
+    return type(model.get_base_model()) if hasattr(type(model), "get_base_model") else type(model)
 
 
 @functools.cache
@@ -98,6 +100,28 @@ def forward_values(model, batch: Batch, packed: bool = False, attention: str | N
     mask = batch["attention_mask"]
     out = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids(mask), use_cache=False)
     return out.logits[:, width - 1 : -1, 0].float() * batch["response_mask"]
+
+
+def rendezvous_store(addr: str, world_size: int, timeout: timedelta):
+    """A TCPStore server listening on `addr` alone, on a port the kernel picks for a socket bound here and
+    handed to the store, so the port is never free between choosing and listening. (torch's own server
+    listens on every interface on the port it is given; a socket bound to one address keeps the
+    rendezvous off the others.) `.host`/`.port` say where ranks join."""
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((addr, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        fd = listener.detach()  # the store owns the listening socket from here on
+    except BaseException:
+        listener.close()
+        raise
+    return dist.TCPStore(
+        addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd
+    )
 
 
 class WorkerBase:
@@ -174,9 +198,20 @@ class WorkerBase:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
+    def open_rendezvous(self) -> tuple[str, int]:
+        """Rank 0's side of the role's process-group rendezvous, opened before any rank joins: a TCPStore
+        server on this node's IP alone (not every interface) and on a port this process holds from the
+        moment the kernel picks it (no other process can take it between choosing and binding). Returns
+        the (address, port) the other ranks join."""
+        import ray
+
+        timeout = timedelta(seconds=self.cfg.trainer.worker_timeout_s)
+        self.rendezvous = rendezvous_store(ray.util.get_node_ip_address(), self.world_size, timeout)
+        return self.rendezvous.host, self.rendezvous.port
+
     def init_process_group(self, addr: str, port: int, cpu_offload: bool = False) -> None:
-        """Join the role's process group: NCCL between GPUs (plus gloo for CPU tensors when FSDP keeps
-        parameters on the host), gloo on CPU."""
+        """Join the role's process group through rank 0's rendezvous (`open_rendezvous`): NCCL between
+        GPUs (plus gloo for CPU tensors when FSDP keeps parameters on the host), gloo on CPU."""
         import torch.distributed as dist
 
         if self.device.type == "cuda":
@@ -184,9 +219,13 @@ class WorkerBase:
         else:
             backend = "gloo"
         timeout = timedelta(seconds=self.cfg.trainer.worker_timeout_s)
-        dist.init_process_group(
-            backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size, timeout=timeout
-        )
+        store = getattr(self, "rendezvous", None)
+        if store is None:  # a caller that chose the address itself (bench/gpu_smoke.py): rank 0 serves it there
+            master = self.rank == 0
+            store = dist.TCPStore(
+                addr, port, self.world_size, is_master=master, timeout=timeout, wait_for_workers=False
+            )
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
 
 
 class TrainableWorker(WorkerBase):
@@ -209,20 +248,29 @@ class TrainableWorker(WorkerBase):
         self.optimizer = None
         self._read_on_rank0: dict[int, torch.nn.Module] = {}  # skeleton id -> the model rank 0 read
 
-    def load_model(self, kind: ModelKind, path: str, dtype: str) -> torch.nn.Module:
+    def load_model(self, kind: ModelKind, path: str, dtype: str, lora: bool = False) -> torch.nn.Module:
         """The role's model from `path`. Unsharded: read here. Sharded: the skeleton on the meta device
         on every rank, and the weights read by rank 0 alone, kept until `shard` fills every rank's shard
-        from them (so no other rank holds the whole model, in host memory or on its GPU)."""
+        from them (so no other rank holds the whole model, in host memory or on its GPU). `lora`: wrapped
+        with the model.lora_* adapters (inputs/lora.py), before it is sharded."""
         from ..inputs.models import load_causal_lm, load_value_model
         from .fsdp import skeleton
 
         load = load_value_model if kind == "value" else load_causal_lm
         trust = self.cfg.model.trust_remote_code
+
+        def adapted(model: torch.nn.Module) -> torch.nn.Module:
+            if not lora:
+                return model
+            from ..inputs.lora import wrap
+
+            return wrap(model, self.cfg.model, self.cfg.trainer.seed)
+
         if not self.sharded:
-            return load(path, dtype, trust)
-        model = skeleton(kind, path, dtype_of(dtype), trust)
+            return adapted(load(path, dtype, trust))
+        model = adapted(skeleton(kind, path, dtype_of(dtype), trust))
         if self.rank == 0:
-            self._read_on_rank0[id(model)] = load(path, dtype, trust)
+            self._read_on_rank0[id(model)] = adapted(load(path, dtype, trust))
         return model
 
     def place(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> None:
@@ -243,8 +291,8 @@ class TrainableWorker(WorkerBase):
     def start_training(self, addr: str = "127.0.0.1", port: int = 0) -> None:
         rc = getattr(self.cfg, self.role)
         if self.world_size > 1 or self.sharded:
-            if not port:
-                port = self.master_address()[1]
+            if not port:  # a lone sharded rank: its own rendezvous
+                addr, port = self.open_rendezvous()
             self.init_process_group(addr, port, cpu_offload=self.sharded and rc.cpu_offload)
         if self.cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -253,7 +301,9 @@ class TrainableWorker(WorkerBase):
         # The fused kernel updates every parameter in one call instead of a dozen small ops each;
         # sharded (DTensor) parameters keep torch's default implementation.
         fused = True if self.device.type in ("cpu", "cuda") and not self.sharded else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=rc.lr, weight_decay=rc.weight_decay, fused=fused)
+        # Only what trains: every parameter, or under LoRA the adapters alone (the frozen base has no state).
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=rc.lr, weight_decay=rc.weight_decay, fused=fused)
         warmup = rc.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
@@ -338,10 +388,20 @@ class TrainableWorker(WorkerBase):
         self.scheduler.load_state_dict(state["scheduler"])
 
     # Sharded checkpoints (checkpoint.py, shards.py): each rank reads and writes only its own shard.
+    def _state_options(self):
+        """What a checkpoint holds: everything, or under LoRA what trains (the adapters; the frozen base is
+        model.path's, read again on resume). Loading then sets only those: DCP's load has already failed on any
+        of them the checkpoint lacks."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        lora = bool(self.cfg.model.lora_rank) and self.role == "actor"
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
     def _sharded_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)  # DTensors when sharded
+        # DTensors when sharded
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         return {"model": model_state, "optimizer": optim_state}
 
     def save_shards(self, directory: str) -> tuple[dict[str, bytes], dict | None]:
@@ -413,7 +473,13 @@ class TrainableWorker(WorkerBase):
         finally:
             if source != directory:
                 shutil.rmtree(source, ignore_errors=True)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=self._state_options(),
+        )
         self.scheduler.load_state_dict(scheduler)
 
 

@@ -15,6 +15,8 @@ ends the run with one line naming its role, rank and node.
 
 from __future__ import annotations
 
+import math
+import os
 import time
 
 import torch
@@ -54,12 +56,20 @@ class PolicyWorker(TrainableWorker):
             cfg = self.cfg
             model_path = on_this_node(model_path)
             self.model_path = model_path
-            self.model = self.load_model("causal_lm", model_path, "float32")  # master weights
+            lora = cfg.model.lora_rank > 0
+            self.model = self.load_model("causal_lm", model_path, "float32", lora=lora)  # master weights
             self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
             self.reference = None
+            self.adapters = None  # LoRA: where the adapters are and how they merge (inputs/lora.py)
+            self.pushes = 0  # weight pushes so far (the first says what it sends)
+            if lora:
+                from ..inputs.lora import Adapters
+
+                self.adapters = Adapters.of(self.model)
             self.engine = None
             self.last_update_end: float | None = None  # perf_counter when update() last returned
-            if with_reference:  # frozen: held in model.dtype, sharded like the policy
+            # LoRA: the reference is this model with its adapters off (ref_logprobs), no second copy.
+            if with_reference and not lora:  # frozen: held in model.dtype, sharded like the policy
                 self.reference = self.load_model("causal_lm", model_path, cfg.model.dtype)
                 self.reference.eval().requires_grad_(False)
         except TrainerError as exc:
@@ -94,6 +104,9 @@ class PolicyWorker(TrainableWorker):
 
     @torch.no_grad()
     def ref_logprobs(self, batch: Batch) -> torch.Tensor:
+        if self.adapters is not None:  # LoRA: the base model, exactly, in this worker's compute dtype
+            with self.model.disable_adapter(), self.autocast():
+                return self._inference(self.model, batch)
         return self._inference(self.reference, batch)
 
     def _inference(self, model, batch: Batch) -> torch.Tensor:
@@ -204,8 +217,25 @@ class PolicyWorker(TrainableWorker):
         if self.rank != 0 and not self.sharded:
             return None
         state, _ = self._full_state(with_optimizer=False)
+        if self.rank != 0:
+            return None
+        if self.adapters is not None:  # the engines load the plain model: its names, the adapters merged in
+            state = self.adapters.merged_state(state)
+        if self.pushes == 0:
+            self._say_what_is_pushed(len(state), sum(t.numel() for t in state.values()) * self.compute_dtype.itemsize)
+        self.pushes += 1
         # The engines serve model.dtype (bf16 weights from fp32 master weights).
-        return [(name, to_wire(t.to(self.compute_dtype))) for name, t in state.items()] if self.rank == 0 else None
+        return [(name, to_wire(t.to(self.compute_dtype))) for name, t in state.items()]
+
+    def _say_what_is_pushed(self, tensors: int, size: int) -> None:
+        """One line in the job's log (rank 0, the first push): what the engines get."""
+        what = "the full weights"
+        if self.adapters is not None:
+            what = (
+                f"merged LoRA weights (model.lora_rank={self.cfg.model.lora_rank}, {len(self.adapters.layers)} "
+                f"adapted layers: W + B @ A * scale, under the base model's names)"
+            )
+        print(f"actor: each weight push sends {what}: {tensors} tensors, {size / 2**20:.1f} MiB", flush=True)
 
     def open_weight_sync(self, rollout_workers: list, addr: str, port: int) -> None:
         """GPU only (its protocol is tested against vLLM's classes, not yet run on a GPU): an NCCL group
@@ -219,25 +249,38 @@ class PolicyWorker(TrainableWorker):
             rollout_workers,
             rank=self.rank,
             tensor_parallel_size=self.cfg.rollout.tensor_parallel_size,
+            pipeline_parallel_size=self.cfg.rollout.pipeline_parallel_size,
             backend=transfer_backend(self.cfg),
             master_address=addr,
             master_port=port,
             timeout_s=self.cfg.trainer.worker_timeout_s,
             dtype=self.compute_dtype,
+            adapters=self.adapters,
         )
 
     def push_weights(self) -> None:
+        if self.pushes == 0 and self.rank == 0:
+            meta = self.weight_sync.source.metadata()  # names, dtypes and full shapes, without a gather
+            self._say_what_is_pushed(len(meta), sum(math.prod(m.shape) * m.dtype.itemsize for m in meta))
+        self.pushes += 1
         self.weight_sync.push()
 
     def export_hf(self, path: str) -> str:
-        """Save the policy with save_pretrained (rank 0 writes; every rank must call it under FSDP)."""
+        """Save the policy with save_pretrained (rank 0 writes; every rank must call it under FSDP). Under LoRA:
+        the merged model in `path` (loads as the plain model), and the adapters alone in `path`/adapter (peft's
+        format, for PeftModel.from_pretrained over the base model)."""
         if self.rank != 0 and not self.sharded:
             return path
         state, _ = self._full_state(with_optimizer=False)
         if self.rank == 0:
+            model = self.model
+            if self.adapters is not None:
+                self.model.save_pretrained(os.path.join(path, "adapter"), state_dict=self.adapters.adapter_state(state))
+                state = self.adapters.merged_state(state)
+                model = self.model.get_base_model()
             state = {k: v.to(self.compute_dtype) for k, v in state.items()}
-            self.model.config.torch_dtype = self.compute_dtype
-            self.model.save_pretrained(path, state_dict=state)
+            model.config.torch_dtype = self.compute_dtype
+            model.save_pretrained(path, state_dict=state)
             self.tokenizer.save_pretrained(path)
         return path
 
@@ -348,10 +391,10 @@ class RewardWorker(WorkerBase):
         try:
             super().__init__(cfg_dict, rank, world_size)
             from ..inputs.models import load_reward_model, load_tokenizer
-            from ..inputs.rewards import resolve_reward_fn
+            from ..inputs.rewards import resolve_reward
 
             self.tokenizer = load_tokenizer(on_this_node(model_path), self.cfg.model.trust_remote_code)
-            self.fn = resolve_reward_fn(self.cfg.reward.function)
+            self.fn = resolve_reward(self.cfg.reward)
             self.reward_model = None
             self.rm_tokenizer = None
             if reward_model_path is not None:
@@ -404,6 +447,10 @@ class RolloutWorker(WorkerBase):
                 from ..rollout.vllm_engine import VLLMEngine
 
                 self.engine = VLLMEngine(model_path, cfg, engine_index=rank)
+            elif cfg.rollout.engine == "sglang":  # likewise SGLang
+                from ..rollout.sglang_engine import SGLangEngine
+
+                self.engine = SGLangEngine(model_path, cfg, engine_index=rank)
             else:
                 from ..rollout.engines import HFEngine
 
@@ -411,15 +458,31 @@ class RolloutWorker(WorkerBase):
         except TrainerError as exc:
             self._failed_to_start(exc, rank)
 
-    def generate(self, prompts: list[list[int]], settings) -> list:
+    def generate(self, prompts: list[list[int]], settings, samples: list[dict] | None = None) -> list:
         from ..rollout.engines import Completions
 
         try:
+            if self.cfg.rollout.environment:  # multi-turn episodes against the user's environment (environment.py)
+                return Completions(self.episode_loop().run(prompts, settings, samples))
             if self.cfg.search.enabled:  # multi-turn, querying the retriever on this node (multiturn.py)
                 return Completions(self.turn_loop().run(prompts, settings))
             return Completions(self.engine.generate(prompts, settings))
         finally:
             self.done_at = time.perf_counter()  # from here the engine waits for its next call
+
+    def episode_loop(self):
+        """The episode loop over `rollout.environment`'s class, made once (the file is loaded once)."""
+        if getattr(self, "_episode_loop", None) is None:
+            from ..inputs.models import load_tokenizer
+            from ..rollout.environment import EpisodeLimits, EpisodeLoop, load_environment
+
+            cfg = self.cfg
+            env_class = load_environment(cfg.rollout.environment)
+            tok = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
+            self._episode_loop = EpisodeLoop(
+                self.engine.generate, tok, env_class, EpisodeLimits.from_config(cfg.rollout)
+            )
+        return self._episode_loop
 
     def turn_loop(self):
         if getattr(self, "_turn_loop", None) is None:

@@ -11,8 +11,9 @@ at least one more generated token ends the sample instead (finish reason `length
 A search call whose query is empty, too long, or has no opening `<search>` is invalid: it is counted
 and answered with a short error observation, so the policy can try again within its budget.
 
-The loop is batched: every turn sends all still-running samples to the engine in one `generate` call
-and all their queries to the retriever in one request; samples finish at different turns.
+The protocol is one environment (`SearchEnvironment`) on the episode loop of environment.py, which is
+batched: every turn sends all still-running samples to the engine in one `generate` call, and the
+environment sends all their queries to the retriever in one request; samples finish at different turns.
 
 Each sample comes back as one `Completion` whose `loss_mask` is 1 on generated tokens and 0 on
 observation tokens (whose log-probs are 0: the engine did not sample them), and whose `turns` holds
@@ -21,17 +22,19 @@ its counts. `turn_metrics` averages those counts over a step.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .engines import Completion, SamplingSettings
+from .environment import EpisodeLimits, EpisodeLoop, StepResult, episode_metrics
 
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 INFO_OPEN, INFO_CLOSE = "\n<information>", "</information>\n"
 INVALID_CALL = "invalid search call: write <search>your query</search> or <answer>...</answer>"
 MAX_QUERY_CHARS = 512
+SEARCH_EPISODE_S = 24 * 3600.0
+"""A search episode's wall-time bound: none of its own (the retrieval client's timeout and retries bound each call)."""
 
 Search = Callable[[list[str]], list[list[str]]]
 """queries -> for each query, its passages' texts (best first)."""
@@ -49,35 +52,6 @@ class TurnSettings:
     @classmethod
     def from_config(cls, search_cfg) -> TurnSettings:
         return cls(search_cfg.max_turns, search_cfg.max_response_tokens, search_cfg.max_obs_tokens)
-
-
-@dataclass
-class _Sample:
-    prompt: list[int]
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    turns: int = 0
-    searches: int = 0
-    invalid_calls: int = 0
-    observation_tokens: int = 0
-    finish_reason: str = ""
-
-    def add(self, ids: list[int], logprobs: list[float], generated: bool) -> None:
-        self.ids += ids
-        self.logprobs += logprobs if generated else [0.0] * len(ids)
-        self.mask += [int(generated)] * len(ids)
-        if not generated:
-            self.observation_tokens += len(ids)
-
-    def completion(self) -> Completion:
-        counts = dict(
-            turns=self.turns,
-            searches=self.searches,
-            invalid_calls=self.invalid_calls,
-            observation_tokens=self.observation_tokens,
-        )
-        return Completion(self.ids, self.logprobs, self.finish_reason, self.mask, counts)
 
 
 def search_call(text: str) -> str | None:
@@ -98,8 +72,62 @@ def format_passages(passages: list[str]) -> str:
     return "".join(f"Doc {i + 1}: {p.strip()}\n" for i, p in enumerate(passages))
 
 
+class SearchEnvironment:
+    """Search-R1's protocol as an environment (environment.py): one instance per sample. Its turns are
+    answered together (`step_many`): all queries of a turn go to `search` in one request."""
+
+    stop = [SEARCH_CLOSE, ANSWER_CLOSE]
+    counts = ("searches", "invalid_calls")
+    errors_are_fatal = True  # the retriever is the run's: its failure (after its retries) stops the run
+
+    def __init__(self, tokenizer, search: Search, turn: TurnSettings):
+        self.tokenizer, self.search, self.turn = tokenizer, search, turn
+        self._open = self._encode(INFO_OPEN)
+        self._close = self._encode(INFO_CLOSE)
+        self.calls = 0
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def observation(self, body: str) -> list[int]:
+        """`body` between the information tags, cut to max_obs_tokens with the tags kept."""
+        room = max(self.turn.max_obs_tokens - len(self._open) - len(self._close), 0)
+        return self._open + self._encode(body)[:room] + self._close
+
+    def reset(self, sample: dict) -> str:
+        self.calls = 0
+        return ""
+
+    def step(self, action_text: str) -> StepResult:
+        return self.step_many([self], [action_text])[0]
+
+    @classmethod
+    def step_many(cls, envs: list[SearchEnvironment], actions: list[str]) -> list[StepResult]:
+        """One result per turn; the valid queries are answered with one `search` request."""
+        results: list[StepResult] = []
+        queries: list[tuple[int, str]] = []
+        for k, (env, text) in enumerate(zip(envs, actions)):
+            if ANSWER_CLOSE in text or SEARCH_CLOSE not in text or env.calls >= env.turn.max_turns:
+                # an answer, a turn without a call, or the last turn, whose call goes unanswered
+                results.append(StepResult(done=True))
+                continue
+            env.calls += 1
+            query = search_call(text)
+            if query is None:
+                results.append(StepResult(env.observation(INVALID_CALL), info={"searches": 0, "invalid_calls": 1}))
+                continue
+            queries.append((k, query))
+            results.append(StepResult(info={"searches": 1, "invalid_calls": 0}))
+        if queries:
+            found = envs[0].search([q for _, q in queries])
+            for (k, _), passages in zip(queries, found):
+                results[k].observation = envs[k].observation(format_passages(passages))
+        return results
+
+
 class TurnLoop:
-    """Runs the turns for one batch of prompts with `generate` (an engine's) and `search`."""
+    """Runs the turns for one batch of prompts with `generate` (an engine's) and `search`: the episode
+    loop (environment.py) with a `SearchEnvironment` per sample."""
 
     def __init__(
         self,
@@ -108,90 +136,25 @@ class TurnLoop:
         search: Search,
         turn: TurnSettings,
     ):
-        self.generate, self.tokenizer, self.search, self.turn = generate, tokenizer, search, turn
-        self.eos = tokenizer.eos_token_id
-        self._open = self._encode(INFO_OPEN)
-        self._close = self._encode(INFO_CLOSE)
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def observation(self, body: str) -> list[int]:
-        room = max(self.turn.max_obs_tokens - len(self._open) - len(self._close), 0)
-        return self._open + self._encode(body)[:room] + self._close
+        self.turn = turn
+        # max_turns observations, then one last turn; the retriever's client bounds its own waits
+        limits = EpisodeLimits(turn.max_turns + 1, turn.max_response_tokens, turn.max_obs_tokens, SEARCH_EPISODE_S)
+        make = lambda: SearchEnvironment(tokenizer, search, turn)  # noqa: E731
+        self.loop = EpisodeLoop(generate, tokenizer, make, limits, env_class=SearchEnvironment)
 
     def run(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]:
-        stop = list(dict.fromkeys([*settings.stop, SEARCH_CLOSE, ANSWER_CLOSE]))
-        n = settings.n
-        samples = [_Sample(p) for p in prompts for _ in range(n)]
-        active = list(range(len(samples)))
-        turn = 0
-        while active:
-            # One budget per engine call (the longest any sample may take); each sample's turn is then
-            # cut to its own room, which keeps the tokens a sampled prefix.
-            budget = min(
-                settings.max_new_tokens, max(self.turn.max_response_tokens - len(samples[i].ids) for i in active)
-            )
-            first = turn == 0
-            turn_settings = dataclasses.replace(
-                settings, stop=stop, max_new_tokens=budget, n=n if first else 1, seed=settings.seed + 7919 * turn
-            )
-            contexts = prompts if first else [samples[i].prompt + samples[i].ids for i in active]
-            outs = self.generate(contexts, turn_settings)
-            calls: list[tuple[int, str | None]] = []
-            for i, out in zip(active, outs):
-                room = min(budget, self.turn.max_response_tokens - len(samples[i].ids))
-                calls.append((i, self._take_turn(samples[i], out, room)))
-            active = self._answer_calls(samples, [(i, q) for i, q in calls if q != ""])
-            turn += 1
-        return [s.completion() for s in samples]
-
-    def _take_turn(self, s: _Sample, out: Completion, room: int) -> str | None:
-        """Record one turn's tokens (at most `room`). Returns "" when the sample is done, else its
-        query (None: an invalid call)."""
-        cut = len(out.token_ids) > room
-        ids, lps = list(out.token_ids[:room]), list(out.logprobs[:room])
-        s.turns += 1
-        s.add(ids, lps, generated=True)
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if (ids and ids[-1] == self.eos) or ANSWER_CLOSE in text:
-            s.finish_reason = "stop"
-            return ""
-        if SEARCH_CLOSE not in text:  # ran out of tokens mid-turn
-            s.finish_reason = "length" if cut or out.finish_reason == "length" else "stop"
-            return ""
-        if s.searches + s.invalid_calls >= self.turn.max_turns:  # the last turn's call goes unanswered
-            s.finish_reason = "stop"
-            return ""
-        query = search_call(text)
-        if query is None:
-            s.invalid_calls += 1
-        return query
-
-    def _answer_calls(self, samples: list[_Sample], calls: list[tuple[int, str | None]]) -> list[int]:
-        """Append each call's observation; returns the samples that go on to another turn."""
-        queries = [q for _, q in calls if q is not None]
-        results = iter(self.search(queries) if queries else [])
-        going_on = []
-        for i, query in calls:
-            s = samples[i]
-            body = format_passages(next(results)) if query is not None else INVALID_CALL
-            obs = self.observation(body)
-            if len(s.ids) + len(obs) + 1 > self.turn.max_response_tokens:
-                s.finish_reason = "length"  # no room to read the answer and go on
-                continue
-            s.searches += query is not None
-            s.add(obs, [], generated=False)
-            going_on.append(i)
-        return going_on
+        return self.loop.run(prompts, settings)
 
 
 def turn_metrics(completions: list[Completion]) -> dict[str, float]:
-    """Per-step averages over samples: turns, searches, valid-call rate, observation tokens."""
+    """Per-step averages over samples: turns, searches, valid-call rate, observation tokens (another
+    environment's: environment.episode_metrics)."""
     counts = [c.turns for c in completions if c.turns is not None]
     if not counts:
         return {}
-    total = {k: sum(c[k] for c in counts) for k in counts[0]}
+    if "searches" not in counts[0]:
+        return episode_metrics(completions)
+    total = {k: sum(c.get(k, 0) for c in counts) for k in counts[0]}
     calls = total["searches"] + total["invalid_calls"]
     return {
         "search/turns_per_sample": total["turns"] / len(counts),

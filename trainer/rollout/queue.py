@@ -40,6 +40,7 @@ from ..algo.batch import from_wire, split_evenly
 from ..errors import TrainerError
 from ..metrics import Timer, combine
 from ..waiting import get_all
+from .environment import environment_rewards
 from .multiturn import turn_metrics
 
 if TYPE_CHECKING:
@@ -69,7 +70,9 @@ class Rollouts:
         for ref in self.score_refs if timeout_s else ():
             if not ray.wait([ref], timeout=timeout_s)[0]:
                 raise too_slow(f"reward.function={reward_function}", timeout_s, where=" on a reward worker")
-        return torch.cat([from_wire(s) for s in ray.get(self.score_refs)])
+        scores = torch.cat([from_wire(s) for s in ray.get(self.score_refs)])
+        # rollout.environment: each episode's summed environment rewards join its score
+        return scores + torch.tensor(environment_rewards(self.completions), dtype=scores.dtype)
 
     def metrics(self, response_mask) -> dict[str, float]:
         """What the batch looked like: lengths, truncation, policy lag, the wait, multi-turn counts."""
@@ -80,6 +83,16 @@ class Rollouts:
             "rollout/policy_lag": self.lag,
             **turn_metrics(self.completions),
         }
+
+
+def sample_row(record: PromptRecord) -> dict:
+    """A prompt's dataset row as an environment's `reset` gets it."""
+    return {
+        **record.extra,
+        "prompt": record.prompt_text,
+        "ground_truth": record.ground_truth,
+        "data_source": record.data_source,
+    }
 
 
 @dataclass
@@ -93,10 +106,14 @@ class InFlight:
 
 
 class RolloutQueue:
-    def __init__(self, engines: list, labels: list[str], timeout_s: float, scorers: list | None = None):
+    def __init__(
+        self, engines: list, labels: list[str], timeout_s: float, scorers: list | None = None, samples: bool = False
+    ):
         """`scorers`: the reward workers, which score each engine's part as it finishes; None when
-        the driver scores (reward.in_driver)."""
+        the driver scores (reward.in_driver). `samples`: the engines get each prompt's dataset row too
+        (rollout.environment's `reset(sample)`)."""
         self.engines, self.labels, self.timeout_s, self.scorers = engines, labels, timeout_s, scorers
+        self.samples = samples
         self.version = 0
         """Weight pushes so far: the version the engines hold once they have loaded them."""
         self.pending: InFlight | None = None
@@ -105,7 +122,15 @@ class RolloutQueue:
 
     def _launch(self, step: int, prompts: list[PromptRecord], settings) -> InFlight:
         chunks = [c for c in split_evenly(prompts, len(self.engines)) if c]
-        refs = [e.generate.remote([p.prompt_ids for p in chunk], settings) for e, chunk in zip(self.engines, chunks)]
+        if self.samples:
+            refs = [
+                e.generate.remote([p.prompt_ids for p in chunk], settings, [sample_row(p) for p in chunk])
+                for e, chunk in zip(self.engines, chunks)
+            ]
+        else:
+            refs = [
+                e.generate.remote([p.prompt_ids for p in chunk], settings) for e, chunk in zip(self.engines, chunks)
+            ]
         score_refs = None
         if self.scorers:
             score_refs = [

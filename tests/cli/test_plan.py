@@ -1,0 +1,67 @@
+"""`cloudrl plan`: the memory table from a model's config.json alone, and the one-line refusal (exit 1)."""
+
+from __future__ import annotations
+
+import pytest
+import typer.testing
+from cloudrl.cli.app import app
+from transformers import Qwen2Config
+
+runner = typer.testing.CliRunner()
+
+
+@pytest.fixture(scope="module")
+def qwen_7b(tmp_path_factory) -> str:
+    """Qwen2.5-7B's shape as a config.json, without weights: all the plan reads."""
+    path = tmp_path_factory.mktemp("qwen-7b")
+    Qwen2Config(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ).save_pretrained(path)
+    return str(path)
+
+
+def test_plan_prints_each_role_and_engine(qwen_7b):
+    result = runner.invoke(app, ["plan", "--preset", "gsm8k-7b", f"model.path={qwen_7b}"])
+    assert result.exit_code == 0, result.output
+    for heading in ("actor (per GPU, 4 GPU(s))", "critic (per GPU, 4 GPU(s))", "rollout (vllm) (per GPU, 8 GPU(s))"):
+        assert heading in result.output
+    assert "DOES NOT FIT" not in result.output
+    assert "KV cache: " in result.output and "tokens per engine GPU" in result.output
+
+
+def test_plan_refuses_in_one_line_naming_the_keys(qwen_7b):
+    result = runner.invoke(app, ["plan", "-p", "gsm8k-7b", f"model.path={qwen_7b}", "actor.fsdp=false"])
+    assert result.exit_code == 1
+    assert "DOES NOT FIT" in result.output  # the table comes first
+    refusal = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(refusal) == 1
+    assert "actor needs" in refusal[0] and "actor.fsdp=true" in refusal[0]
+    assert "Traceback" not in result.output
+
+
+def test_gpu_memory_gib_sets_the_limit(qwen_7b):
+    # The gsm8k-7b actor peaks near 40 GiB per GPU: a 24 GiB GPU is refused, its fixes named.
+    result = runner.invoke(app, ["plan", "-p", "gsm8k-7b", f"model.path={qwen_7b}", "--gpu-memory-gib", "24"])
+    assert result.exit_code == 1
+    assert "a GPU has 24 GiB" in result.output
+    assert "actor.cpu_offload=true" in result.output
+
+
+def test_unreadable_model_config_is_one_line(tmp_path):
+    result = runner.invoke(app, ["plan", "-p", "gsm8k-7b", f"model.path={tmp_path}"])
+    assert result.exit_code == 1
+    assert f"cannot read the model config of model.path={tmp_path}" in result.output
+    assert "config.json" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_bad_gpu_memory_is_refused(qwen_7b):
+    result = runner.invoke(app, ["plan", "-p", "gsm8k-7b", f"model.path={qwen_7b}", "--gpu-memory-gib", "0"])
+    assert result.exit_code == 1
+    assert "--gpu-memory-gib 0: give the memory of one GPU" in result.output

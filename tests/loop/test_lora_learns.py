@@ -1,0 +1,31 @@
+"""The local default with LoRA learns: the per-algorithm learning test's setting (PPO, the easy task, 20 short
+steps) with the actor training rank-8 adapters only, at the higher learning rate LoRA takes (docs/trainer.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from cloudrl.trainer.config import load_config
+from cloudrl.trainer.driver import train
+from runs import REWARD_RISES, metric_rows
+
+pytestmark = pytest.mark.ray
+
+
+def test_lora_actor_raises_the_reward(ray_local, tmp_path, capfd):
+    overrides = {
+        **REWARD_RISES,
+        "trainer.run_dir": tmp_path,
+        "model.lora_rank": 8,
+        "model.lora_alpha": 16,
+        "actor.lr": "1e-2",
+    }
+    cfg = load_config("local", [f"{k}={v}" for k, v in overrides.items()])
+    train(cfg)
+    steps = [r for r in metric_rows(tmp_path) if r["step"] > 0]
+    assert len(steps) == REWARD_RISES["trainer.total_steps"]
+    assert all(math.isfinite(r[k]) for r in steps for k in ("actor/pg_loss", "critic/vf_loss"))
+    rewards = [r["rollout/reward_mean"] for r in steps]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.04, (first, last, rewards)

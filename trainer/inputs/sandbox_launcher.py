@@ -1,0 +1,223 @@
+"""The sandbox's launcher: run by `sandbox.py` as `python -I -S sandbox_launcher.py SETTINGS` in a fresh
+process of its own session, it walls itself off and then becomes untrusted Python.
+
+Standard library only, and run by path (not imported), so it starts in milliseconds. It reads the payload
+(`{"code": ..., "stdin": ...}` as JSON) from its stdin, then:
+
+1. leaves the trainer's namespaces: network (no interface but a downed loopback), mount (private, so
+   nothing it mounts reaches the host), PID (everything it starts dies with it); as a non-root user it
+   first enters a user namespace of its own, where it maps itself to root;
+2. forks the first process of the new PID namespace, which mounts a fresh /proc (the trainer's processes,
+   their command lines and environments are out of sight), a size-bounded tmpfs over /tmp (the scratch
+   directory: the code, its stdin, whatever it writes; gone with the namespace), remounts every other
+   mount read-only, sets the resource limits, drops to an unprivileged uid/gid of its own (as root), and
+   execs `python -I main.py` with a minimal environment;
+3. waits for it and reports how it ended on the status pipe (`exit N` or `signal N`).
+
+A setup step that fails is reported as `error ...` on the status pipe and exit 125; the parent raises it.
+The untrusted program cannot write to the status pipe: it is closed on exec.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import stat
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_NOATIME = 1024
+MS_NODIRATIME = 2048
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MS_RELATIME = 1 << 21
+MS_STRICTATIME = 1 << 24
+PR_SET_PDEATHSIG = 1
+SIGKILL = 9
+
+# Per-mount flags a bind remount must repeat: in a user namespace the kernel refuses to clear locked ones.
+_MOUNT_FLAGS = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+    "strictatime": MS_STRICTATIME,
+}
+SCRATCH = "/tmp"
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class SetupError(Exception):
+    """A step of the isolation failed: the untrusted code never runs."""
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise SetupError(f"{what}: {os.strerror(errno)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None, what: str) -> None:
+    def c(text: str | None):
+        return None if text is None else text.encode()
+
+    _check(_libc.mount(c(source), c(target), c(fstype), ctypes.c_ulong(flags), c(data)), what)
+
+
+def _unescape(path: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    for code in ("\\040", "\\011", "\\012", "\\134"):
+        path = path.replace(code, chr(int(code[1:], 8)))
+    return path
+
+
+def _mounts() -> list[tuple[str, int]]:
+    """This namespace's mount points, parents first, each with the per-mount flags to keep."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            options = fields[5].split(",")
+            flags = sum(bit for name, bit in _MOUNT_FLAGS.items() if name in options)
+            found.append((_unescape(fields[4]), flags))
+    return found
+
+
+def _enter_namespaces(as_root: bool) -> None:
+    uid, gid = os.getuid(), os.getgid()
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | (0 if as_root else CLONE_NEWUSER)
+    _check(_libc.unshare(flags), "unshare (network, mount and PID namespaces)")
+    if not as_root:
+        # Root inside the user namespace, only to mount; outside it is still this user.
+        with open("/proc/self/setgroups", "w") as f:
+            f.write("deny")
+        with open("/proc/self/uid_map", "w") as f:
+            f.write(f"0 {uid} 1")
+        with open("/proc/self/gid_map", "w") as f:
+            f.write(f"0 {gid} 1")
+    # Private first: without it a shared root would carry the mounts below back to the host.
+    _mount(None, "/", None, MS_REC | MS_PRIVATE, None, "making mounts private")
+
+
+def _expose(paths: list[str]) -> None:
+    """Make each of `paths` (the Python installation) reachable by the unprivileged uid: a directory on the
+    way that others cannot enter (say a 0700 /root holding pyenv) is covered, in this namespace only, by
+    an empty tmpfs holding just those paths, bound from the originals."""
+    blocked: dict[str, list[str]] = {}
+    for path in paths:
+        parts = path.strip("/").split("/")
+        for depth in range(1, len(parts)):
+            ancestor = "/" + "/".join(parts[:depth])
+            if not os.stat(ancestor).st_mode & stat.S_IXOTH:
+                blocked.setdefault(ancestor, []).append(path)
+                break
+    for ancestor, inside in blocked.items():
+        # Held open before the tmpfs hides them, then bound through /proc/self/fd.
+        handles = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in inside]
+        _mount("tmpfs", ancestor, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755", f"covering {ancestor}")
+        for path, handle in handles:
+            os.makedirs(path, exist_ok=True)
+            _mount(f"/proc/self/fd/{handle}", path, None, MS_BIND | MS_REC, None, f"exposing {path}")
+            os.close(handle)
+
+
+def _wall_off(settings: dict, payload: dict) -> None:
+    """In the first process of the new PID namespace: the filesystem view, the files, the limits, the user."""
+    uid, gid = (settings["uid"], settings["gid"]) if settings["as_root"] else (0, 0)
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None, "mounting /proc")
+    if settings["as_root"]:
+        _expose(settings["expose"])
+    scratch_mb = settings["scratch_mb"]
+    options = f"size={scratch_mb}m,mode=0700,uid={uid},gid={gid}"
+    _mount("tmpfs", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, options, f"mounting the scratch tmpfs on {SCRATCH}")
+    for target, flags in _mounts():
+        if target in ("/proc", SCRATCH) or target.startswith("/proc/"):
+            continue
+        try:
+            _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags, None, f"remounting {target} read-only")
+        except SetupError:
+            # A mount hidden under the scratch tmpfs or /proc cannot be reached and needs no remount.
+            if not (target.startswith(SCRATCH + "/") or not os.path.exists(target)):
+                raise
+    main = os.path.join(SCRATCH, "main.py")
+    with open(main, "w") as f:
+        f.write(payload["code"])
+    os.chown(main, uid, gid)
+    # The program reads its stdin from an unlinked file: no size limit of a pipe, nothing left to find.
+    stdin_path = os.path.join(SCRATCH, ".stdin")
+    with open(stdin_path, "w") as f:
+        f.write(payload["stdin"])
+    stdin = os.open(stdin_path, os.O_RDONLY)
+    os.unlink(stdin_path)
+    os.dup2(stdin, 0)
+    os.close(stdin)
+    status_fd = settings["status_fd"]
+    os.closerange(3, status_fd)
+    os.closerange(status_fd + 1, 1 << 16)
+    memory = settings["memory_mb"] << 20
+    cpu_s = settings["cpu_s"]
+    limits = [
+        (resource.RLIMIT_AS, memory),
+        (resource.RLIMIT_CPU, cpu_s),
+        (resource.RLIMIT_NPROC, settings["max_processes"]),
+        (resource.RLIMIT_FSIZE, scratch_mb << 20),
+        (resource.RLIMIT_NOFILE, 256),
+        (resource.RLIMIT_CORE, 0),
+    ]
+    for which, value in limits:
+        # The hard CPU limit a second later: SIGXCPU at the soft one, SIGKILL if it is caught.
+        resource.setrlimit(which, (value, value + 1 if which == resource.RLIMIT_CPU else value))
+    if settings["as_root"]:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+    os.chdir(SCRATCH)
+    # After the uid change, which clears it: the program dies with its launcher.
+    _check(_libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    python = settings["python"]
+    os.execve(python, [python, "-I", "main.py"], settings["env"])
+
+
+def main() -> int:
+    settings = json.loads(sys.argv[1])
+    status_fd = settings["status_fd"]
+    os.set_inheritable(status_fd, False)
+    status = os.fdopen(status_fd, "w", buffering=1)
+    payload = json.loads(sys.stdin.buffer.read())
+    try:
+        os.nice(settings["nice"])
+        _enter_namespaces(settings["as_root"])
+    except (OSError, SetupError) as exc:
+        status.write(f"error {exc}\n")
+        return 125
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _wall_off(settings, payload)
+        except (OSError, SetupError) as exc:
+            status.write(f"error {exc}\n")
+            status.flush()
+        os._exit(125)
+    _, code = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(code):
+        status.write(f"signal {os.WTERMSIG(code)}\n")
+    else:
+        status.write(f"exit {os.WEXITSTATUS(code)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
