@@ -113,7 +113,7 @@ def run_python(code: str, limits: Limits = Limits(), stdin: str = "") -> Executi
         "cpu_s": max(1, int(limits.timeout_s + 1)),
         "max_processes": MAX_PROCESSES,
         "nice": NICE,
-        "python": sys.executable,
+        "python": _interpreter(),
         "expose": _installation(),
         "env": _ENV,
         "status_fd": status_write,
@@ -156,6 +156,19 @@ def run_many(codes: list[str], limits: Limits = Limits(), max_parallel: int = 0)
         return []
     with ThreadPoolExecutor(max_workers=min(workers, len(codes)), thread_name_prefix="sandbox") as pool:
         return list(pool.map(lambda code: run_python(code, limits), codes))
+
+
+def _interpreter() -> str:
+    """The interpreter the code runs in: this process's (its packages importable), unless it lives under /tmp,
+    which the sandbox covers with its scratch directory (a virtualenv made in /tmp), then the installation that
+    one was made from (the standard library only)."""
+    for python in (sys.executable, os.path.realpath(sys.executable)):
+        if not Path(python).is_relative_to("/tmp"):
+            return python
+    raise SandboxUnavailable(
+        f"the sandbox runs code with {sys.executable}, which lives under /tmp, where each run gets its own empty "
+        "scratch directory: run the trainer with a Python installed outside /tmp"
+    )
 
 
 def _installation() -> list[str]:
