@@ -118,6 +118,11 @@ def step_metrics(run_dir: Path) -> list[dict]:
     return [r for r in rows if r.get("step", 0) > 0 and "rollout/reward_mean" in r]
 
 
+def first_and_last_means(rewards: list[float], k: int = 5) -> tuple[float, float]:
+    """The mean of the first `k` and of the last `k` steps' rewards: what the learning tests compare."""
+    return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+
+
 def logged_steps(run_dir: Path) -> list[int]:
     """The steps of run_dir/metrics.jsonl's rows, in file order ([] before the first)."""
     path = run_dir / "metrics.jsonl"

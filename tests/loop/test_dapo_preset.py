@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.driver import train
-from runs import REWARD_RISES, step_metrics
+from runs import REWARD_RISES, first_and_last_means, step_metrics
 
 pytestmark = pytest.mark.ray
 
@@ -25,5 +25,5 @@ def test_dapo_preset_raises_the_reward(ray_local, tmp_path) -> None:
     assert all(1 <= r["rollout/sampling_rounds"] <= 4 and r["rollout/filled_uniform"] < 1 for r in steps)
     assert all(r["rollout/kept_fraction"] < 1 for r in steps) and steps[0]["rollout/filled_uniform"] == 0
     rewards = [r["rollout/reward_mean"] for r in steps]  # over every sample generated, dropped ones too
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    first, last = first_and_last_means(rewards)
     assert last > first + 0.04, (first, last, rewards)

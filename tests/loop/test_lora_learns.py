@@ -8,7 +8,7 @@ import math
 import pytest
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.driver import train
-from runs import REWARD_RISES, metric_rows
+from runs import REWARD_RISES, first_and_last_means, metric_rows
 
 pytestmark = pytest.mark.ray
 
@@ -27,5 +27,5 @@ def test_lora_actor_raises_the_reward(ray_local, tmp_path, capfd):
     assert len(steps) == REWARD_RISES["trainer.total_steps"]
     assert all(math.isfinite(r[k]) for r in steps for k in ("actor/pg_loss", "critic/vf_loss"))
     rewards = [r["rollout/reward_mean"] for r in steps]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    first, last = first_and_last_means(rewards)
     assert last > first + 0.04, (first, last, rewards)

@@ -16,7 +16,7 @@ from cloudrl.trainer.config import ALGORITHMS, load_config
 from cloudrl.trainer.driver import train
 from cloudrl.trainer.inputs.models import load_causal_lm, resolve_path
 from cloudrl.trainer.state import checkpoint
-from runs import REPO, REWARD_RISES, metric_rows, run_trainer, tiny_overrides
+from runs import REPO, REWARD_RISES, first_and_last_means, metric_rows, run_trainer, tiny_overrides
 
 pytestmark = pytest.mark.ray
 
@@ -98,7 +98,7 @@ def test_each_algorithm_trains_every_parameter_and_raises_the_reward(ray_local, 
         assert not [n for n, p in fresh.items() if torch.equal(critic[n], p)]
 
     rewards = [r["rollout/reward_mean"] for r in steps]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    first, last = first_and_last_means(rewards)
     assert last > first + 0.04, (algorithm, first, last, rewards)
 
 
@@ -114,7 +114,7 @@ def test_gspo_preset_raises_the_reward(ray_local, tmp_path):
     steps = [r for r in metric_rows(tmp_path) if r["step"] > 0]
     assert all(math.isfinite(r["actor/pg_loss"]) for r in steps)
     rewards = [r["rollout/reward_mean"] for r in steps]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    first, last = first_and_last_means(rewards)
     assert last > first + 0.04, (first, last, rewards)
 
 

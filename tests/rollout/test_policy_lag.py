@@ -7,7 +7,7 @@ import json
 import pytest
 from cloudrl.trainer.config import ConfigError, load_config
 from cloudrl.trainer.driver import train
-from runs import REWARD_RISES, tiny_overrides
+from runs import REWARD_RISES, first_and_last_means, tiny_overrides
 
 
 def _rows(run_dir) -> dict[int, dict]:
@@ -47,7 +47,7 @@ def test_lagging_run_learns(ray_local, tmp_path):
     train(load_config("local", [f"{k}={v}" for k, v in overrides.items()]))
     rows = _rows(tmp_path)
     rewards = [rows[s]["rollout/reward_mean"] for s in sorted(rows)]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    first, last = first_and_last_means(rewards)
     assert last > first + 0.04, (first, last, rewards)
     assert [rows[s]["rollout/policy_lag"] for s in sorted(rows)] == [0] + [1] * (len(rows) - 1)
     lagged = [rows[s] for s in sorted(rows)[1:]]
