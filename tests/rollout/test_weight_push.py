@@ -8,6 +8,7 @@ and on the object-store path, and that the push is chosen once from the config a
 from __future__ import annotations
 
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,15 @@ class SleepyEngine:
         self.kv_awake = True
         self.version = 0
         self.calls = []
+        self.generate_s = 0.0
+        self.generated_at = []
+        """When each generate call ended (time.monotonic, the same clock for every process on this machine)."""
+
+    def slow_down(self, seconds: float) -> None:
+        self.generate_s = seconds
+
+    def generation_ends(self) -> list[float]:
+        return self.generated_at
 
     def sleep(self):
         self.calls.append("sleep")
@@ -60,6 +70,8 @@ class SleepyEngine:
         self.calls.append("generate")
         if not (self.weights_awake and self.kv_awake):
             raise RuntimeError("generate on a sleeping engine: the KV cache or the weights were never woken")
+        time.sleep(self.generate_s)
+        self.generated_at.append(time.monotonic())
         return [Completion([self.version], [0.0], "stop") for _ in prompts for _ in range(settings.n)]
 
     def history(self):
@@ -73,6 +85,7 @@ class ActorRank:
         self.engines = engines
         self.version = 0
         self.group = None
+        self.pushes_started = []
 
     def master_address(self):
         return "127.0.0.1", 29500
@@ -84,6 +97,9 @@ class ActorRank:
     def joined(self):
         return self.group
 
+    def push_starts(self) -> list[float]:
+        return self.pushes_started
+
     def update(self):
         self.version += 1
         return self.version
@@ -94,6 +110,7 @@ class ActorRank:
     def push_weights(self):
         import ray
 
+        self.pushes_started.append(time.monotonic())  # where the real rank enters its first collective
         ray.get([e.receive_broadcast.remote(self.version) for e in self.engines])
 
 
@@ -197,3 +214,23 @@ def test_the_push_is_chosen_once_from_the_config_and_the_actors_device(ray_local
     roles, queue, _ = _cluster(ray, "cuda:0")
     assert WeightPush(_config(sleeps=False, engine="hf"), roles, queue).mode == "object_store"
     assert WeightPush(_config(sleeps=False, gpus=0), roles, queue).mode == "object_store"
+
+
+def test_with_policy_lag_the_nccl_push_waits_for_the_batch_in_flight(ray_local):
+    """policy_lag=1 starts the next batch before the update. The actor ranks' push (collectives from its first
+    line on GPUs) starts only after that batch is generated, so no rank waits inside a collective while an
+    engine generates; the batch's samples still come from the weights before the push."""
+    import ray
+
+    roles, queue, engines = _cluster(ray, "cuda:0")
+    push = WeightPush(_config(sleeps=False), roles, queue)
+    ray.get([e.slow_down.remote(1.5) for e in engines])
+    prompts = [PromptRecord([i], f"p{i}", "", "test") for i in range(4)]
+    settings = SamplingSettings(n=1)
+    queue.take(1, prompts, settings, then=(prompts, settings))  # step 2's batch starts now
+    push(after=[w.update.remote() for w in roles.actor.workers])
+    step_two_done = max(max(ends) for ends in ray.get([e.generation_ends.remote() for e in engines]))
+    starts = [t for rank in ray.get([w.push_starts.remote() for w in roles.actor.workers]) for t in rank]
+    assert len(starts) == 2 and min(starts) >= step_two_done
+    lagged = queue.take(2, prompts, settings)
+    assert {c.token_ids[0] for c in lagged.completions} == {0} and lagged.lag == 1

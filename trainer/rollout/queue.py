@@ -181,6 +181,10 @@ class RolloutQueue:
         self.version += 1
         return timings
 
+    def generating(self) -> list:
+        """The generate calls of the batch in flight, if any (`rollout.policy_lag=1` starts one before the update)."""
+        return list(self.pending.refs) if self.pending is not None else []
+
     def pushed_by_actor(self) -> None:
         """The actor sent new weights to the engines itself (the GPU weight sync, weight_sync.py): a batch
         started before counts one more version of lag."""

@@ -146,6 +146,14 @@ class WeightPush:
         engines, actor = self.roles.rollout, self.roles.actor
         if self.mode == "nccl" or self.sleeps:
             ray.wait(list(after), num_returns=len(after))  # the update first: its failure raises when collected
+        if self.mode == "nccl":
+            # Every actor rank enters collectives (FSDP's gathers, then the broadcast) as soon as its push
+            # starts, and an engine joins only after the batch it is generating (policy_lag=1 starts the next
+            # one before the update). A long generation would hold the ranks inside a collective past the NCCL
+            # watchdog's timeout; so the push starts once that batch is done (its results wait in the object
+            # store), which costs nothing: the engines could not load the weights any sooner.
+            generating = self.queue.generating()
+            ray.wait(generating, num_returns=len(generating))
         if self.sleeps and self.neighbours:  # the update's cached blocks back to the GPU before vLLM wakes
             workers = [w for g in self.neighbours for w in g.workers]
             labels = [label for g in self.neighbours for label in g.labels()]
