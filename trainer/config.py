@@ -417,6 +417,9 @@ class TrainerConfig:
     """Ray cluster to join; empty = the one the job was submitted to, or a new local one."""
     worker_timeout_s: float = 600.0
     """Longest wait for a worker to start, join its process group or finish a weight sync (then stop with a line)."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOPs of one device in the compute dtype, for the perf/*_mfu metrics. 0: from the table of
+    known GPUs (by torch.cuda.get_device_name); on a CPU or an unknown GPU MFU is then not reported."""
     checkpoint_uri: str = ""
     """Also keep checkpoints here (s3://bucket/prefix, gs://..., via fsspec; credentials from the
     environment): uploaded after each save, fetched on resume=auto."""

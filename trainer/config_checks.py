@@ -246,6 +246,7 @@ RANGES: dict[str, Range] = {
     "trainer.worker_timeout_s": POSITIVE,
     "trainer.max_restarts": NON_NEGATIVE,
     "trainer.restart_wait_s": NON_NEGATIVE,
+    "trainer.peak_tflops": NON_NEGATIVE,  # 0 = from the GPU's name
 }
 
 

@@ -24,20 +24,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .algo import ppo_math as pm
-from .algo.advantages import compute_advantages
+from .algo.advantages import compute_advantages, kl_controller
 from .algo.batch import Batch, build_batch, split_batch, update_shards
 from .algo.evaluation import length_metrics, sampled_metrics
 from .config import Config
 from .inputs.data import PromptLoader, PromptRecord
-from .inputs.rewards import score_responses
 from .metrics import MetricsLogger, Timer, format_eval_table, format_summary, print_sample
 from .rollout.engines import SamplingSettings
 from .rollout.queue import RolloutQueue, Rollouts, Round, SentStep, StepsInFlight, refill
 from .rollout.weight_sync import WeightPush
 from .state import checkpoint
-from .state.shards import load_roles, save_roles
-from .state.storage import upload_if_configured
+from .state.shards import export_policy, load_roles, save_run
 
 if TYPE_CHECKING:
     from .inputs.prepare import Inputs
@@ -87,28 +84,23 @@ class Trainer:
         self.restarts = restarts
         self.stop = stop
         self.tokenizer = inputs.tokenizer
-        self.reward_fn = inputs.reward_fn if cfg.reward.in_driver else None
         self.loader = None
         if not cfg.trainer.eval_only:
             self.loader = PromptLoader(inputs.train, cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
         self.val_sets = {"": inputs.val} if inputs.val else {}
         """Validation prompts by name ("" is data.val_files' set)."""
         self.val_sets.update(inputs.val_sets)
-        alg = cfg.algorithm
-        if alg.kl_target > 0:
-            self.kl_ctl = pm.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
-        else:
-            self.kl_ctl = pm.FixedKLController(alg.kl_coef)
+        self.kl_ctl = kl_controller(cfg)
         self.history = History()
         self.global_step = 0
         """The step being run (or the last finished one between steps)."""
-        scorers = None if cfg.reward.in_driver else roles.reward.workers
         self.rollouts = RolloutQueue(
             roles.rollout.workers,
             roles.rollout.labels(),
             cfg.trainer.worker_timeout_s,
-            scorers,
+            None if cfg.reward.in_driver else roles.reward.workers,
             samples=bool(cfg.rollout.environment),
+            score_here=inputs.score_here(cfg.reward) if cfg.reward.in_driver else None,
         )
         self.in_flight = StepsInFlight(self.rollouts, settle_each_step=not cfg.rollout.policy_lag)
         self.push_weights = WeightPush(cfg, roles, self.rollouts)
@@ -162,7 +154,7 @@ class Trainer:
         #      algorithm.dynamic_sampling the prompts whose samples all score the same are dropped and
         #      more are sampled until the batch is full again (`refill`).
         with timer("reward"):
-            scores = self.score(got, records)
+            scores = self.score(got)
         sampled = Sampled(got, records, scores, scores, {})
         if cfg.algorithm.dynamic_sampling:
             with timer("refill"):
@@ -230,7 +222,7 @@ class Trainer:
             t0 = time.perf_counter()
             got = self.rollouts.generate(prompts, settings)
             waited = time.perf_counter() - t0
-            generated.append(self.score(got, [p for p in prompts for _ in range(n)]))
+            generated.append(self.score(got))
             return Round(prompts, got.completions, generated[-1], waited)
 
         first = Round(prompts, sampled.rollouts.completions, sampled.scores, sampled.rollouts.waited_s)
@@ -240,7 +232,10 @@ class Trainer:
             self.rollouts.start(self.global_step + 1, *then)
         self.push_weights.release_engines()
         return Sampled(
-            Rollouts(kept.completions, sampled.rollouts.lag, kept.waited_s, None),
+            # the first round's generation speed (engines.generation_throughput)
+            Rollouts(
+                kept.completions, sampled.rollouts.lag, kept.waited_s, None, generation=sampled.rollouts.generation
+            ),
             [p for p in kept.prompts for _ in range(n)],
             kept.scores,
             torch.cat(generated),
@@ -258,17 +253,10 @@ class Trainer:
             [c.finish_reason for c in completions],
         )
 
-    def score(self, got: Rollouts, records: list[PromptRecord]) -> torch.Tensor:
-        """Rewards [N] for `got`, one record per sample: the reward workers' (started as the engines
-        finished, rollout/queue.py), or with reward.in_driver rule-based rewards scored right here."""
-        if self.reward_fn is None:
-            return got.scores(self.cfg.reward.function, self.cfg.reward.timeout_s)
-        responses = [c.token_ids for c in got.completions]
-        reward = self.cfg.reward
-        _texts, values = score_responses(
-            self.reward_fn, self.tokenizer, responses, records, reward.function, reward.timeout_s
-        )
-        return torch.tensor(values, dtype=torch.float32)
+    def score(self, got: Rollouts) -> torch.Tensor:
+        """Rewards [N] for `got`: the reward workers' (started as the engines finished, rollout/queue.py),
+        or with reward.in_driver scored right here, plus the environment's rewards."""
+        return got.scores(self.cfg.reward.function, self.cfg.reward.timeout_s)
 
     def logprobs_and_values(self, batch: Batch, timer: Timer) -> None:
         """Fill `batch` with the log-probs of the policy before the update (unless the update's own
@@ -409,7 +397,7 @@ class Trainer:
         for start in range(0, len(records), size):
             chunk = records[start : start + size]
             got = self.rollouts.generate(chunk, settings)
-            scores += self.score(got, [p for p in chunk for _ in range(settings.n)]).tolist()
+            scores += self.score(got).tolist()
             completions += got.completions
         return scores, completions
 
@@ -434,24 +422,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """Every rank writes its own shards (state/shards.py); the driver adds its own state, atomically."""
-        cfg = self.cfg
+        """Every rank writes its own shards; the driver adds its own state, atomically (state/shards.py)."""
         state = {
             "step": self.global_step,
             "data": self.loader.state_dict(),
             "kl": self.kl_ctl.state_dict(),
             "history": self.history.__dict__,
         }
-        path = checkpoint.save(
-            cfg.trainer.run_dir,
-            self.global_step,
-            {},
-            state,
-            cfg.to_yaml(),
-            cfg.trainer.keep_last,
-            write_shards=lambda tmp: save_roles(self.roles, tmp, cfg.trainer.worker_timeout_s),
-        )
-        return upload_if_configured(path, cfg.trainer)  # trainer.checkpoint_uri: a copy off the instance
+        return save_run(self.roles, self.cfg, self.global_step, state)
 
     def maybe_resume(self) -> None:
         ckpt = self.inputs.resume
@@ -468,14 +446,12 @@ class Trainer:
         print(f"resumed from {ckpt.path} at step {self.global_step}", flush=True)
 
     def finish(self, last_ckpt: Path | None) -> dict:
-        import ray
-
         cfg = self.cfg
         h = self.history
         run_dir = Path(cfg.trainer.run_dir).resolve()
         export = str(run_dir / "hf_model") if cfg.trainer.export_hf else None
-        if export:
-            ray.get([w.export_hf.remote(export) for w in self.roles.actor.workers])
+        if export:  # on the driver's disk, where summary.json says, whichever node actor rank 0 is on
+            export_policy(self.roles, Path(export), cfg.trainer.worker_timeout_s)
         summary = {
             "steps": self.global_step,
             "resumed_from": h.resumed_from,

@@ -480,23 +480,54 @@ class Timer:
 
 class Accumulator:
     """Token-weighted sums of per-micro-batch statistics on one rank, and peaks (memory); `combine` merges
-    the ranks' exactly."""
+    the ranks' exactly.
+
+    A value or weight may be a 0-dim tensor on the device (detached): it is kept there, and `result` reads
+    every such tensor back in one transfer per device. So an update loop that adds its statistics each
+    micro-batch waits for the device once, at its end, instead of once per statistic (a `.item()` each). The
+    sums come out the same as with python floats: each tensor is read as float64 (exact for float32 values
+    and integer counts) and the sums are taken in python in the order the values were added."""
 
     def __init__(self):
         self.sums: dict[str, float] = {}
         self.weights: dict[str, float] = {}
         self.peaks: dict[str, float] = {}
+        self.pending: list[tuple[str, object, object]] = []
+        """(name, value, weight) in the order added, resolved by `result`."""
 
-    def add(self, name: str, value: float, weight: float) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(value) * weight
-        self.weights[name] = self.weights.get(name, 0.0) + weight
+    def add(self, name: str, value, weight) -> None:
+        """Count `value` (a float or a 0-dim tensor) towards `name`'s mean with `weight` (likewise)."""
+        self.pending.append((name, value, weight))
 
     def peak(self, name: str, value: float) -> None:
         """A statistic reported as its largest value (over calls and over ranks), not as a mean."""
         self.peaks[name] = max(self.peaks.get(name, float(value)), float(value))
 
     def result(self) -> dict:
+        """{"sums", "weights", "peaks"} as python floats (the device is waited for here, once)."""
+        resolved = _read_back([x for _, value, weight in self.pending for x in (value, weight)])
+        for i, (name, _, _) in enumerate(self.pending):
+            value, weight = resolved[2 * i], resolved[2 * i + 1]
+            self.sums[name] = self.sums.get(name, 0.0) + value * weight
+            self.weights[name] = self.weights.get(name, 0.0) + weight
+        self.pending = []
         return {"sums": self.sums, "weights": self.weights, "peaks": self.peaks}
+
+
+def _read_back(items: list) -> list[float]:
+    """`items` as python floats: tensors stacked per device (as float64) and copied to the host once per device."""
+    out = [x if not hasattr(x, "detach") else None for x in items]
+    by_device: dict = {}
+    for i, x in enumerate(items):
+        if out[i] is None:
+            by_device.setdefault(x.device, []).append(i)
+    for indices in by_device.values():
+        import torch  # only where a tensor was added: the driver's own metrics never import torch here
+
+        stacked = torch.stack([items[i].detach().reshape(()).to(torch.float64) for i in indices])
+        for i, v in zip(indices, stacked.tolist()):
+            out[i] = v
+    return [float(v) for v in out]
 
 
 def combine(results: list[dict]) -> dict:

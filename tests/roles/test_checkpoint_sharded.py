@@ -43,9 +43,9 @@ def _trained_worker(cfg, model_path):
 
 
 def test_a_node_without_the_run_dir_ships_its_shard_files(tmp_path):
-    """A rank whose node does not see the checkpoint directory writes to scratch and returns its files
-    (the driver writes them); handed back the same way, they load into a fresh rank with identical weights
-    and optimizer state."""
+    """A rank whose node does not see the checkpoint directory writes to its scratch directory and lists its
+    files (the driver pulls them in chunks: tests/state/test_shard_transfer.py); pushed back into a fresh
+    rank's scratch the same way, they load with identical weights and optimizer state."""
     cfg = load_config("local", ["actor.lr=1e-2", "model.sft_warmup_steps=0"])  # no warm-up: fast
     model_path = resolve_path(cfg.model.path, cfg)
     worker = _trained_worker(cfg, model_path)
@@ -54,8 +54,9 @@ def test_a_node_without_the_run_dir_ships_its_shard_files(tmp_path):
     assert not (tmp_path / "not-mounted-here").exists()
     step = tmp_path / "step"
     (step / "actor").mkdir(parents=True)
-    for name, data in files.items():
-        (step / "actor" / name).write_bytes(data)
+    for name, size in files.items():
+        (step / "actor" / name).write_bytes(worker.read_chunk(name, 0, size))
+    worker.drop_scratch()
     import json
 
     (step / "actor.json").write_text(json.dumps(scheduler))
@@ -64,7 +65,11 @@ def test_a_node_without_the_run_dir_ships_its_shard_files(tmp_path):
 
     fresh = PolicyWorker(cfg.to_dict(), model_path)
     fresh.start_training()
-    fresh.load_shards(str(tmp_path / "not-mounted-here" / "actor"), scheduler, files=files)  # files from the driver
+    fresh.open_scratch()  # what the driver's push does, in one chunk per file
+    for name in files:
+        fresh.write_chunk(name, 0, (step / "actor" / name).read_bytes())
+    fresh.load_shards(str(tmp_path / "not-mounted-here" / "actor"), scheduler, from_scratch=True)
+    assert fresh.scratch is None  # dropped once read
     # The same rank saving straight into a directory it sees returns no files.
     again = tmp_path / "again"
     again.mkdir()

@@ -94,7 +94,7 @@ class _Queue:
 
     def generate(self, prompts, settings):
         self.calls.append(("generate", [p.prompt_ids[0] for p in prompts], settings.seed))
-        return Rollouts(_round(prompts).completions, 0, 0.0, None)
+        return Rollouts(_round(prompts).completions, 0, 0.0, None, [p for p in prompts for _ in range(N)])
 
     def start(self, step, prompts, settings):
         self.calls.append(("start", step, [p.prompt_ids[0] for p in prompts]))
@@ -117,9 +117,8 @@ def test_trainer_refill_draws_from_the_loader_then_starts_the_next_batch() -> No
     trainer.loader = PromptLoader(_prompts(0, 64), batch_size=8, shuffle=False)
     trainer.rollouts = _Queue()
     trainer.push_weights = _Push()
-    trainer.reward_fn = None
     trainer.stop = None
-    trainer.score = lambda got, records: _round([r for r in records[::N]]).scores
+    trainer.score = lambda got: _round(got.records[::N]).scores
     first_prompts = trainer.loader.next_batch()  # what fit hands the step: prompts 0..7
     first = _round(first_prompts)
     got = Rollouts(first.completions, 1, 0.25, None)

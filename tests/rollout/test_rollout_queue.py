@@ -13,6 +13,7 @@ import torch
 from cloudrl.trainer.algo.batch import to_wire
 from cloudrl.trainer.inputs.data import PromptRecord
 from cloudrl.trainer.rollout.engines import Completion, SamplingSettings
+from cloudrl.trainer.rollout.environment import ENV_REWARD
 from cloudrl.trainer.rollout.queue import RolloutQueue
 
 pytestmark = pytest.mark.ray
@@ -108,6 +109,37 @@ def test_each_engine_part_is_scored_as_it_finishes_in_order(ray_local):
     # engine parts 0 and 2 went to the first reward worker, part 1 to the second
     assert ray.get(scorers[0].calls.remote()) == [[100, 100, 101, 101], [104, 104, 105, 105]]
     assert ray.get(scorers[1].calls.remote()) == [[102, 102, 103, 103]]
+
+
+class EpisodeEngine:
+    """Each sample an episode whose environment paid its prompt's id / 100 in turn rewards."""
+
+    def generate(self, prompts, settings):
+        return [
+            Completion([7, p[0]], [0.0, 0.0], "stop", turns={ENV_REWARD: p[0] / 100}) for p in prompts for _ in range(2)
+        ]
+
+
+def test_scored_in_the_driver_each_sample_gets_its_prompts_reward_and_its_environments(ray_local):
+    """reward.in_driver: the queue scores with the driver's function, each sample against its own prompt,
+    and adds the environment's rewards as the reward workers' path does."""
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    engines = [ray.remote(EpisodeEngine).remote() for _ in range(2)]
+    seen = []
+
+    def score_here(responses, records):
+        seen.append([(r[1], p.prompt_ids[0]) for r, p in zip(responses, records)])
+        return [float(p.prompt_ids[0]) for p in records]
+
+    queue = RolloutQueue(engines, ["engine 0", "engine 1"], 30.0, None, score_here=score_here)
+    for got in (
+        queue.take(1, _prompts(100, 4), SamplingSettings(n=2)),
+        queue.generate(_prompts(100, 4), SamplingSettings(n=2)),
+    ):
+        assert got.scores().tolist() == pytest.approx([p + p / 100 for p in range(100, 104) for _ in range(2)])
+    assert seen[0] == [(p, p) for p in range(100, 104) for _ in range(2)]  # each response with its own prompt
 
 
 def test_a_batch_started_for_other_prompts_is_refused(ray_local):

@@ -21,6 +21,15 @@ def response_limit(cfg: Config) -> int:
     return cfg.search.max_response_tokens if cfg.search.enabled else cfg.rollout.max_new_tokens
 
 
+def kl_controller(cfg: Config) -> pm.FixedKLController | pm.AdaptiveKLController:
+    """The KL coefficient the step's advantages (kl_mode=reward) or loss (kl_mode=loss) use: adaptive
+    toward algorithm.kl_target when one is set, else fixed at algorithm.kl_coef."""
+    alg = cfg.algorithm
+    if alg.kl_target > 0:
+        return pm.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
+    return pm.FixedKLController(alg.kl_coef)
+
+
 def compute_advantages(cfg: Config, batch: Batch, scores: torch.Tensor, kl_coef: float) -> dict:
     """Fill `batch` with the advantages (and returns, importance weights) of one step's samples;
     returns their metrics. With algorithm.overlong_buffer the scores the advantages see carry DAPO's
@@ -50,8 +59,8 @@ def compute_advantages(cfg: Config, batch: Batch, scores: torch.Tensor, kl_coef:
                 batch["old_logprobs"], batch["engine_logprobs"], gen, cfg.rollout.logprob_correction_cap
             )
             batch["is_weights"] = weights
-            metrics["rollout/is_weight_mean"] = stats["is_weight_mean"]
-            metrics["rollout/is_weight_capped"] = stats["is_weight_capped"]
+            metrics["rollout/is_weight_mean"] = float(stats["is_weight_mean"])
+            metrics["rollout/is_weight_capped"] = float(stats["is_weight_capped"])
     rewards = pm.token_level_rewards(scores, mask, kl if in_reward else None, kl_coef if in_reward else 0.0)
     seq_scores = scores - kl_coef * kl.sum(-1) if in_reward else scores
     if alg.name == "ppo":

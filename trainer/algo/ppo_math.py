@@ -26,6 +26,11 @@ Loss aggregation and `normalizer`
   gradient is then exactly the gradient of the whole mini-batch's loss, whatever the split. If
   the data-parallel wrapper AVERAGES gradients over W ranks (DDP and FSDP do), pass the global
   count / W instead, so the average of the ranks' sums is again the global loss.
+
+Statistics
+  The losses and the importance weights return their statistics (clipfrac, approx_kl, ...) as detached
+  0-dim tensors on the inputs' device, not python floats: reading one back waits for the device, and an
+  update loop reads them all once at its end (metrics.Accumulator) instead of each micro-batch.
 """
 
 import torch
@@ -371,7 +376,7 @@ def truncated_importance_weights(logprobs, sampler_logprobs, mask, cap):
     rollout engines by Yao et al. 2025 ("Your Efficient RL Framework Secretly Brings You
     Off-Policy RL Training").
 
-    Returns (weights, stats); stats holds python floats over the valid tokens:
+    Returns (weights, stats); stats holds 0-dim tensors over the valid tokens:
       is_weight_mean    mean of the untruncated ratio
       is_weight_capped  fraction where ratio > cap (the truncation is the one taken)
     """
@@ -379,8 +384,8 @@ def truncated_importance_weights(logprobs, sampler_logprobs, mask, cap):
     ratio = torch.exp(logprobs - sampler_logprobs)
     weights = torch.where(m, ratio.clamp(max=cap), 0)
     stats = {
-        "is_weight_mean": masked_mean(ratio, m).item(),
-        "is_weight_capped": masked_mean((ratio > cap).float(), m).item(),
+        "is_weight_mean": masked_mean(ratio, m).detach(),
+        "is_weight_capped": masked_mean((ratio > cap).float(), m).detach(),
     }
     return weights, stats
 
@@ -478,7 +483,7 @@ def policy_loss(
       L_t   = min(L_t, -dual_clip * A)  where A < 0                            dual clip (Ye et al. 2020)
       loss  = aggregate_loss(L, mask, normalizer, agg_mode, max_len)
 
-    Returns (loss, stats); stats holds python floats over the valid tokens:
+    Returns (loss, stats); stats holds 0-dim tensors over the valid tokens:
       clipfrac       fraction where the clipped branch is the one taken
       dual_clipfrac  fraction where the dual-clip bound is the one taken
       approx_kl      mean of k3 = (ratio - 1) - log ratio, the estimate of KL(pi_old || pi)
@@ -492,9 +497,9 @@ def policy_loss(
     loss = aggregate_loss(losses, m, normalizer, agg_mode, max_len)
     with torch.no_grad():
         stats = {
-            "clipfrac": masked_mean(clip_taken.float(), m).item(),
-            "dual_clipfrac": masked_mean(dual_taken.float(), m).item(),
-            "approx_kl": masked_mean(ratio - 1 - log_ratio, m).item(),
+            "clipfrac": masked_mean(clip_taken.float(), m),
+            "dual_clipfrac": masked_mean(dual_taken.float(), m),
+            "approx_kl": masked_mean(ratio - 1 - log_ratio, m),
         }
     return loss, stats
 
@@ -525,7 +530,7 @@ def gspo_policy_loss(
     does not: the clip bounds a large ratio's loss and takes its gradient away) and always uses
     seq-mean-token-mean whatever loss_agg_mode says.
 
-    Returns (loss, stats); stats holds python floats:
+    Returns (loss, stats); stats holds 0-dim tensors:
       clipfrac     fraction of valid tokens whose sequence ratio is clipped
       seq_ratio    mean of s_b over the non-empty sequences
       approx_kl    as in policy_loss, over the token-level ratios
@@ -542,9 +547,9 @@ def gspo_policy_loss(
     with torch.no_grad():
         ratio = torch.exp(log_ratio)
         stats = {
-            "clipfrac": masked_mean(clip_taken.float(), m).item(),
-            "seq_ratio": masked_mean(torch.exp(seq_log_ratio), m.any(-1)).item(),
-            "approx_kl": masked_mean(ratio - 1 - log_ratio, m).item(),
+            "clipfrac": masked_mean(clip_taken.float(), m),
+            "seq_ratio": masked_mean(torch.exp(seq_log_ratio), m.any(-1)),
+            "approx_kl": masked_mean(ratio - 1 - log_ratio, m),
         }
     return loss, stats
 
@@ -573,7 +578,7 @@ def cispo_policy_loss(
     a large clip_low (up to 1) gets that. verl's `compute_policy_loss_cispo` computes the same but
     clamps the log-ratio to [-20, 20] first.
 
-    Returns (loss, stats); stats holds python floats over the valid tokens:
+    Returns (loss, stats); stats holds 0-dim tensors over the valid tokens:
       clipfrac   fraction whose weight was clipped
       approx_kl  as in policy_loss
     """
@@ -586,8 +591,8 @@ def cispo_policy_loss(
     loss = aggregate_loss(losses, m, normalizer, agg_mode, max_len)
     with torch.no_grad():
         stats = {
-            "clipfrac": masked_mean((weights != ratio).float(), m).item(),
-            "approx_kl": masked_mean(ratio - 1 - log_ratio, m).item(),
+            "clipfrac": masked_mean((weights != ratio).float(), m),
+            "approx_kl": masked_mean(ratio - 1 - log_ratio, m),
         }
     return loss, stats
 
@@ -602,7 +607,7 @@ def value_loss(values, old_values, returns, mask, clip_range=0.2, normalizer=Non
       L_t    = 0.5 * max((V - R)^2, (V_clip - R)^2)          (PPO2 baselines; clip_range=None: no clip)
       loss   = aggregate_loss(L, mask, normalizer)
     Returns (loss, stats) with stats["vf_clipfrac"]: fraction of valid tokens where the clipped
-    branch is the one taken.
+    branch is the one taken (a 0-dim tensor; 0.0 without clipping).
     """
     m = mask.bool()
     unclipped = (values - returns) ** 2
@@ -613,7 +618,7 @@ def value_loss(values, old_values, returns, mask, clip_range=0.2, normalizer=Non
         clipped = (v_clipped - returns) ** 2
         losses = torch.maximum(unclipped, clipped)
         with torch.no_grad():
-            clipfrac = masked_mean((clipped > unclipped).float(), m).item()
+            clipfrac = masked_mean((clipped > unclipped).float(), m)
     return aggregate_loss(0.5 * losses, m, normalizer), {"vf_clipfrac": clipfrac}
 
 

@@ -18,7 +18,7 @@ from ..state import checkpoint
 from ..state.run_dir import resume_point, under_runs_dir
 from .data import PromptRecord, load_prompts
 from .models import load_tokenizer, quiet_transformers, resolve_path
-from .rewards import resolve_reward
+from .rewards import resolve_reward, score_responses
 
 
 @dataclass
@@ -36,6 +36,16 @@ class Inputs:
     """`reward.function`, resolved (the driver scores with it under `reward.in_driver`)."""
     val_sets: dict[str, list[PromptRecord]] = field(default_factory=dict)
     """data.val_sets' prompts, by name."""
+
+    def score_here(self, reward) -> Callable[[list, list], list[float]]:
+        """reward.in_driver's scoring: (responses' token ids, each one's prompt) -> rewards, decoded and
+        scored in the driver's process with `reward` (the config's reward section)."""
+
+        def score(responses: list[list[int]], records: list[PromptRecord]) -> list[float]:
+            tokenizer = self.tokenizer
+            return score_responses(self.reward_fn, tokenizer, responses, records, reward.function, reward.timeout_s)[1]
+
+        return score
 
 
 def prepare(cfg: Config) -> Inputs:

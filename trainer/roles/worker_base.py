@@ -311,7 +311,6 @@ class TrainableWorker(WorkerBase):
         # FSDP averages gradients over ranks; plain data parallelism here sums them. Losses are
         # divided by the global token count, so the sum is the exact global token mean.
         self.grad_scale = float(self.world_size) if self.sharded else 1.0
-        self.comm_seconds = 0.0  # gradient all-reduce time of the current update
 
     def autocast(self):
         """Compute in model.dtype over fp32 master weights (FSDP2 casts by itself when sharded)."""
@@ -333,9 +332,7 @@ class TrainableWorker(WorkerBase):
             import torch.distributed as dist
 
             flat = torch.cat([p.grad.reshape(-1) for p in params])
-            start = time.perf_counter()
             dist.all_reduce(flat)
-            self.comm_seconds += time.perf_counter() - start
             offset = 0
             for p in params:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
@@ -404,64 +401,86 @@ class TrainableWorker(WorkerBase):
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         return {"model": model_state, "optimizer": optim_state}
 
-    def save_shards(self, directory: str) -> tuple[dict[str, bytes], dict | None]:
+    def save_shards(self, directory: str) -> tuple[dict[str, int], dict | None]:
         """Write this rank's shards of the weights and optimizer state into the DCP `directory`; a
-        collective over the role's ranks. A node that does not see `directory` (no shared disk with the
-        driver) writes to a scratch directory and returns its files for the driver to write. Returns
-        (those files, the scheduler state on rank 0)."""
-        import shutil
-        import tempfile
-
+        collective over the role's ranks. A node that does not see `directory`'s parent (no shared disk
+        with the driver) writes to its scratch directory instead and keeps it for the driver to pull
+        (state/transfer.py). Returns (the scratch files by name and size, {} when written in place; the
+        scheduler state on rank 0)."""
         import torch.distributed.checkpoint as dcp
 
-        target = directory if os.path.isdir(os.path.dirname(directory)) else tempfile.mkdtemp(prefix="cloudrl-shards-")
-        files: dict[str, bytes] = {}
+        from ..state import transfer
+
+        target = directory if self.sees(os.path.dirname(directory)) else self.open_scratch()
         try:
             with _single_process_quiet():
                 dcp.save(self._sharded_state(), checkpoint_id=target)
-            if target != directory:
-                for name in os.listdir(target):
-                    with open(os.path.join(target, name), "rb") as f:
-                        files[name] = f.read()
         except BaseException as exc:
+            if target != directory:  # a failed save (a full scratch disk) leaves no scratch copy behind either
+                self.drop_scratch()
             error = _shard_error(exc, f"{self.role} rank {self.rank}: writing its checkpoint shards to {target}")
             if error is None:
                 raise
             raise error from None
-        finally:  # a failed save (a full scratch disk) leaves no scratch copy behind either
-            if target != directory:
-                shutil.rmtree(target, ignore_errors=True)
+        files = transfer.listing(target) if target != directory else {}
         return files, self.scheduler.state_dict() if self.rank == 0 else None
 
     def sees(self, directory: str) -> bool:
+        """Whether this node sees the driver's `directory` (the driver's node, or a volume both mount): the
+        one test of whether a rank reads and writes the driver's files in place or moves them in chunks."""
         return os.path.isdir(directory)
 
-    def load_shards(self, directory: str, scheduler: dict, files: dict | None = None) -> None:
-        """Read this rank's part of the DCP `directory` (resharded to this run's ranks); a collective.
-        `files` (name -> object ref, or bytes) stands in for a directory this node cannot see. The
-        metadata is read as DCP's own classes only and non-tensor items with weights_only=True
-        (state/checkpoint.py): a checkpoint is data, whatever its files hold."""
-        import shutil
+    # A node that does not see the driver's directory moves files through a scratch directory of its own,
+    # one chunk per call (state/transfer.py). One at a time per worker: opening one drops the last.
+    scratch: str | None = None
+
+    def open_scratch(self) -> str:
         import tempfile
 
+        self.drop_scratch()
+        self.scratch = tempfile.mkdtemp(prefix="cloudrl-scratch-")
+        return self.scratch
+
+    def drop_scratch(self) -> None:
+        import shutil
+
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
+
+    def _open_scratch_dir(self) -> str:
+        if self.scratch is None:
+            raise TrainerError(f"{self.role} rank {self.rank}: no scratch directory is open for a file transfer")
+        return self.scratch
+
+    def scratch_files(self) -> dict[str, int]:
+        from ..state import transfer
+
+        return transfer.listing(self._open_scratch_dir())
+
+    def read_chunk(self, name: str, offset: int, size: int) -> bytes:
+        from ..state import transfer
+
+        return transfer.read_chunk(self._open_scratch_dir(), name, offset, size)
+
+    def write_chunk(self, name: str, offset: int, data: bytes) -> None:
+        from ..state import transfer
+
+        transfer.write_chunk(self._open_scratch_dir(), name, offset, data)
+
+    def load_shards(self, directory: str, scheduler: dict, from_scratch: bool = False) -> None:
+        """Read this rank's part of the DCP `directory` (resharded to this run's ranks); a collective.
+        `from_scratch`: this node does not see `directory`, and the driver has pushed its files into this
+        worker's scratch directory (state/transfer.py), dropped once read. The metadata is read as DCP's own
+        classes only and non-tensor items with weights_only=True (state/checkpoint.py): a checkpoint is
+        data, whatever its files hold."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         from ..state.checkpoint import safe_planner, safe_reader
 
-        source = directory
-        if files is not None:
-            source = tempfile.mkdtemp(prefix="cloudrl-shards-")
+        source = self._open_scratch_dir() if from_scratch else directory
         try:
-            for name, data in (files or {}).items():
-                if name != os.path.basename(name) or name in ("", ".", ".."):
-                    raise TrainerError(f"checkpoint shard name {name!r} leaves its directory: refused")
-                if not isinstance(data, bytes):
-                    import ray
-
-                    data = ray.get(data)
-                with open(os.path.join(source, name), "wb") as f:
-                    f.write(data)
             state = self._sharded_state()
             with _single_process_quiet():
                 dcp.load(state, checkpoint_id=source, storage_reader=safe_reader(source), planner=safe_planner())
@@ -471,8 +490,8 @@ class TrainableWorker(WorkerBase):
                 raise
             raise error from None
         finally:
-            if source != directory:
-                shutil.rmtree(source, ignore_errors=True)
+            if from_scratch:
+                self.drop_scratch()
         set_state_dict(
             self.model,
             self.optimizer,

@@ -26,6 +26,7 @@ from ..algo.advantages import response_limit
 from ..algo.batch import Batch, from_wire, to_wire
 from ..errors import TrainerError
 from ..metrics import Accumulator
+from .flops import Utilisation
 from .packing import in_batch_order, micro_batches
 from .staging import NodePaths, on_this_node
 from .worker_base import (
@@ -88,9 +89,12 @@ class PolicyWorker(TrainableWorker):
         if self.engine is None:
             self.engine = HFEngine(self.model, self.tokenizer, self.device)
         self.model.eval()
+        start = time.perf_counter()
         try:
             with self.autocast():
-                return Completions(self.engine.generate(prompts, settings))
+                out = Completions(self.engine.generate(prompts, settings))
+            out.seconds, out.gpus = time.perf_counter() - start, float(self.device.type == "cuda")
+            return out
         finally:
             self.model.train()
 
@@ -110,6 +114,7 @@ class PolicyWorker(TrainableWorker):
         return self._inference(self.reference, batch)
 
     def _inference(self, model, batch: Batch) -> torch.Tensor:
+        start = time.perf_counter()
         was_training = model.training
         model.eval()
         m, a = self.cfg.model, self.cfg.actor
@@ -117,6 +122,7 @@ class PolicyWorker(TrainableWorker):
         groups = micro_batches(batch, a.micro_batch_size, a.max_tokens_per_micro_batch, m.pack_sequences, agree)
         out = [(rows, self._logprobs(model, to_device(mb, self.device))[0].float().cpu()) for rows, mb in groups]
         model.train(was_training)
+        meter(self).forward(batch["attention_mask"], time.perf_counter() - start)  # the tensors are on the host: done
         return in_batch_order(out, batch.size)
 
     def _logprobs(self, model, micro: Batch, entropy: str = "none"):
@@ -139,6 +145,7 @@ class PolicyWorker(TrainableWorker):
         acc = self._ppo_epochs(shard, normalizers, kl_coef)
         if self.last_update_end is not None:
             acc.add("timing/actor_between_updates", start - self.last_update_end, 1.0)
+        add_utilisation(self, acc, start, shard)
         self.add_step_stats(acc, start, shard)
         self.last_update_end = time.perf_counter()
         return UpdateResult(acc.result())
@@ -148,7 +155,6 @@ class PolicyWorker(TrainableWorker):
         alg = self.cfg.algorithm
         per_rank = shard.size // len(normalizers)
         acc = Accumulator()
-        self.comm_seconds = 0.0
         kl_in_loss = alg.kl_mode == "loss" and kl_coef > 0 and "ref_logprobs" in shard
         agg = {"agg_mode": actor_cfg.loss_agg_mode, "max_len": response_limit(self.cfg)}
         for mini, norm in zip(shard.chunks(per_rank), normalizers):
@@ -162,6 +168,8 @@ class PolicyWorker(TrainableWorker):
             for _, micro in groups:
                 micro = to_device(micro, self.device)
                 mask = micro["response_mask"]
+                # Statistics stay on the device (0-dim tensors); the Accumulator reads them back once, after the loop.
+                tokens = mask.sum()
                 with self.autocast():
                     logprobs, entropy = self._logprobs(
                         self.model, micro, entropy="grad" if actor_cfg.entropy_coef else "metric"
@@ -172,14 +180,14 @@ class PolicyWorker(TrainableWorker):
                     old = logprobs.detach()
                     if "engine_logprobs" in micro:
                         diff = pm.masked_mean((old - micro["engine_logprobs"]).abs(), mask)
-                        acc.add("rollout/logprob_diff", diff.item(), mask.sum().item())
+                        acc.add("rollout/logprob_diff", diff.detach(), tokens)
                         if self.cfg.corrects_logprobs:  # the importance weights, from this same pass
                             weights, is_stats = pm.truncated_importance_weights(
                                 old, micro["engine_logprobs"], mask, self.cfg.rollout.logprob_correction_cap
                             )
                             micro["is_weights"] = weights
                             for name, value in is_stats.items():
-                                acc.add(f"rollout/{name}", value, mask.sum().item())
+                                acc.add(f"rollout/{name}", value, tokens)
                 advantages = micro["advantages"]
                 if "is_weights" in micro:  # truncated importance weights: trainer over sampler
                     advantages = advantages * micro["is_weights"]
@@ -193,39 +201,43 @@ class PolicyWorker(TrainableWorker):
                         logprobs, old, advantages, mask, *clip, actor_cfg.dual_clip or None, norm, **agg
                     )
                 # The micro-batch's own loss, weighted by its own count: their mean is the mini-batch's loss.
-                local = pm.loss_normalizer(mask, actor_cfg.loss_agg_mode)
-                acc.add("actor/pg_loss", loss.item() * norm / local, local)
+                local = _loss_count(mask, actor_cfg.loss_agg_mode)
+                acc.add("actor/pg_loss", loss.detach().double() * norm / local, local)
                 if actor_cfg.entropy_coef:
                     loss = loss - actor_cfg.entropy_coef * pm.aggregate_loss(entropy, mask, norm, **agg)
                 if kl_in_loss:
                     kl = pm.kl_estimate(logprobs, micro["ref_logprobs"], alg.kl_estimator)
                     loss = loss + kl_coef * pm.aggregate_loss(kl, mask, norm, **agg)
-                    acc.add("actor/kl_loss", pm.masked_mean(kl, mask).item(), mask.sum().item())
+                    acc.add("actor/kl_loss", pm.masked_mean(kl, mask).detach(), tokens)
                 (loss * self.grad_scale).backward()
-                tokens = mask.sum().item()
-                acc.add("actor/entropy", pm.masked_mean(entropy.detach(), mask).item(), tokens)
+                acc.add("actor/entropy", pm.masked_mean(entropy.detach(), mask), tokens)
                 for name, value in stats.items():
                     acc.add(f"actor/{name}", value, tokens)
             acc.add("actor/grad_norm", self._step(actor_cfg.grad_clip), 1.0)
         acc.add("actor/lr", self.scheduler.get_last_lr()[0], 1.0)
-        acc.add("timing/comm_actor", self.comm_seconds, 1.0)
         return acc
 
     def weights(self) -> list[tuple[str, object]] | None:
         """The policy's parameters by Hugging Face name, on CPU, for the rollout engines (rank 0;
         the other ranks only take part in the gather under FSDP and return None)."""
+        from ..rollout.engines import PushedWeights
+
         if self.rank != 0 and not self.sharded:
             return None
+        start = time.perf_counter()
         state, _ = self._full_state(with_optimizer=False)
         if self.rank != 0:
             return None
         if self.adapters is not None:  # the engines load the plain model: its names, the adapters merged in
             state = self.adapters.merged_state(state)
+        size = sum(t.numel() for t in state.values()) * self.compute_dtype.itemsize
         if self.pushes == 0:
-            self._say_what_is_pushed(len(state), sum(t.numel() for t in state.values()) * self.compute_dtype.itemsize)
+            self._say_what_is_pushed(len(state), size)
         self.pushes += 1
         # The engines serve model.dtype (bf16 weights from fp32 master weights).
-        return [(name, to_wire(t.to(self.compute_dtype))) for name, t in state.items()]
+        out = PushedWeights((name, to_wire(t.to(self.compute_dtype))) for name, t in state.items())
+        out.gather_s, out.nbytes = time.perf_counter() - start, size  # timing/push_gather, perf/push_gb_per_s
+        return out
 
     def _say_what_is_pushed(self, tensors: int, size: int) -> None:
         """One line in the job's log (rank 0, the first push): what the engines get."""
@@ -258,31 +270,39 @@ class PolicyWorker(TrainableWorker):
             adapters=self.adapters,
         )
 
-    def push_weights(self) -> None:
+    def push_weights(self) -> dict[str, float]:
+        """Send the weights over the NCCL or IPC group (every rank; rank 0 sends). Returns the push's split
+        (`WeightSyncGroup.push`): timing/push_gather, timing/push_broadcast, perf/push_gb_per_s."""
         if self.pushes == 0 and self.rank == 0:
             meta = self.weight_sync.source.metadata()  # names, dtypes and full shapes, without a gather
             self._say_what_is_pushed(len(meta), sum(math.prod(m.shape) * m.dtype.itemsize for m in meta))
         self.pushes += 1
-        self.weight_sync.push()
+        return self.weight_sync.push()
 
-    def export_hf(self, path: str) -> str:
+    def export_hf(self, path: str) -> dict[str, int]:
         """Save the policy with save_pretrained (rank 0 writes; every rank must call it under FSDP). Under LoRA:
         the merged model in `path` (loads as the plain model), and the adapters alone in `path`/adapter (peft's
-        format, for PeftModel.from_pretrained over the base model)."""
+        format, for PeftModel.from_pretrained over the base model). A node that does not see `path`'s parent
+        exports into its scratch directory instead, for the driver to pull (state/shards.export_policy).
+        Returns those files by relative name and size ({} when written in place, and on other ranks)."""
+        from ..state import transfer
+
         if self.rank != 0 and not self.sharded:
-            return path
+            return {}
         state, _ = self._full_state(with_optimizer=False)
-        if self.rank == 0:
-            model = self.model
-            if self.adapters is not None:
-                self.model.save_pretrained(os.path.join(path, "adapter"), state_dict=self.adapters.adapter_state(state))
-                state = self.adapters.merged_state(state)
-                model = self.model.get_base_model()
-            state = {k: v.to(self.compute_dtype) for k, v in state.items()}
-            model.config.torch_dtype = self.compute_dtype
-            model.save_pretrained(path, state_dict=state)
-            self.tokenizer.save_pretrained(path)
-        return path
+        if self.rank != 0:
+            return {}
+        target = path if self.sees(os.path.dirname(path)) else self.open_scratch()
+        model = self.model
+        if self.adapters is not None:
+            self.model.save_pretrained(os.path.join(target, "adapter"), state_dict=self.adapters.adapter_state(state))
+            state = self.adapters.merged_state(state)
+            model = self.model.get_base_model()
+        state = {k: v.to(self.compute_dtype) for k, v in state.items()}
+        model.config.torch_dtype = self.compute_dtype
+        model.save_pretrained(target, state_dict=state)
+        self.tokenizer.save_pretrained(target)
+        return transfer.listing(target) if target != path else {}
 
 
 class CriticWorker(TrainableWorker):
@@ -298,6 +318,7 @@ class CriticWorker(TrainableWorker):
 
     @torch.no_grad()  # not inference_mode: see PolicyWorker.logprobs
     def values(self, batch: Batch) -> torch.Tensor:
+        start = time.perf_counter()
         self.model.eval()
         c = self.cfg.critic
         agree = self.device if self.sharded else None  # sharded ranks run as many micro-batches
@@ -307,6 +328,7 @@ class CriticWorker(TrainableWorker):
         with self.autocast():
             out = [(rows, self._values(to_device(mb, self.device)).float().cpu()) for rows, mb in groups]
         self.model.train()
+        meter(self).forward(batch["attention_mask"], time.perf_counter() - start)
         return in_batch_order(out, batch.size)
 
     def _values(self, micro: Batch) -> torch.Tensor:
@@ -318,7 +340,6 @@ class CriticWorker(TrainableWorker):
         critic_cfg = self.cfg.critic
         per_rank = shard.size // len(normalizers)
         acc = Accumulator()
-        self.comm_seconds = 0.0
         for mini, norm in zip(shard.chunks(per_rank), normalizers):
             groups = micro_batches(
                 mini,
@@ -336,14 +357,44 @@ class CriticWorker(TrainableWorker):
                     values, micro["values"], micro["returns"], mask, critic_cfg.clip_value or None, normalizer=norm
                 )
                 (loss * self.grad_scale).backward()
-                tokens = mask.sum().item()
-                acc.add("critic/vf_loss", loss.item() * norm / max(tokens, 1.0), tokens)
+                tokens = mask.sum()  # on the device, like the statistics: read back once, after the loop
+                acc.add("critic/vf_loss", loss.detach().double() * norm / tokens.double().clamp(min=1.0), tokens)
                 for name, value in stats.items():
                     acc.add(f"critic/{name}", value, tokens)
             acc.add("critic/grad_norm", self._step(critic_cfg.grad_clip), 1.0)
-        acc.add("timing/comm_critic", self.comm_seconds, 1.0)
+        add_utilisation(self, acc, start, shard)
         self.add_step_stats(acc, start, shard)
         return UpdateResult(acc.result())
+
+
+def _loss_count(mask: torch.Tensor, agg_mode: str) -> torch.Tensor:
+    """`ppo_math.loss_normalizer(mask, agg_mode)` as a float64 0-dim tensor on the mask's device: the same
+    count, without reading it back to the host."""
+    m = mask.bool()
+    count = m.sum() if agg_mode == "token-mean" else m.any(-1).sum()
+    return count.clamp(min=1).to(torch.float64)
+
+
+def meter(worker) -> Utilisation:
+    """A trained role's FLOPs meter (flops.py), made on its first use."""
+    if getattr(worker, "flops_meter", None) is None:
+        cfg = worker.cfg
+        worker.flops_meter = Utilisation(worker.model, worker.device, worker.compute_dtype, cfg.trainer.peak_tflops)
+    return worker.flops_meter
+
+
+def add_utilisation(worker, acc: Accumulator, started: float, shard: Batch) -> None:
+    """MFU of the update that started at `started` (`perf/<role>_mfu`) and of the forward-only passes since the
+    previous update (`perf/<role>_forward_mfu`: old and reference log-probs, values), each the mean over
+    ranks; neither where the device's peak is unknown (flops.peak_flops). The update has waited for its
+    device by now: the optimizer step reads the gradient norm back."""
+    m = meter(worker)
+    mfu = m.mfu(shard["attention_mask"], time.perf_counter() - started)
+    if mfu is not None:
+        acc.add(f"perf/{worker.role}_mfu", mfu, 1.0)
+    forward = m.forward_mfu()
+    if forward is not None:
+        acc.add(f"perf/{worker.role}_forward_mfu", forward, 1.0)
 
 
 class ReferenceWorker(WorkerBase):
@@ -461,14 +512,28 @@ class RolloutWorker(WorkerBase):
     def generate(self, prompts: list[list[int]], settings, samples: list[dict] | None = None) -> list:
         from ..rollout.engines import Completions
 
+        start = time.perf_counter()
         try:
             if self.cfg.rollout.environment:  # multi-turn episodes against the user's environment (environment.py)
-                return Completions(self.episode_loop().run(prompts, settings, samples))
-            if self.cfg.search.enabled:  # multi-turn, querying the retriever on this node (multiturn.py)
-                return Completions(self.turn_loop().run(prompts, settings))
-            return Completions(self.engine.generate(prompts, settings))
+                out = Completions(self.episode_loop().run(prompts, settings, samples))
+            elif self.cfg.search.enabled:  # multi-turn, querying the retriever on this node (multiturn.py)
+                out = Completions(self.turn_loop().run(prompts, settings))
+            else:
+                out = Completions(self.engine.generate(prompts, settings))
+            out.seconds, out.gpus = time.perf_counter() - start, self.engine_gpus()  # generation_throughput
+            return out
         finally:
             self.done_at = time.perf_counter()  # from here the engine waits for its next call
+
+    def engine_gpus(self) -> float:
+        """The GPUs this engine generates on: a vLLM or SGLang engine's tensor x pipeline parallel ranks, a
+        transformers engine's share (rollout.gpus_per_engine, else one); 0 on a CPU."""
+        r = self.cfg.rollout
+        if self.device.type != "cuda":
+            return 0.0
+        if r.engine in ("vllm", "sglang"):
+            return float(r.ranks_per_engine)
+        return r.gpus_per_engine or 1.0
 
     def episode_loop(self):
         """The episode loop over `rollout.environment`'s class, made once (the file is loaded once)."""
@@ -500,12 +565,15 @@ class RolloutWorker(WorkerBase):
 
     def load_weights(self, named_tensors: list[tuple[str, object]]) -> dict[str, float]:
         """Weights from `PolicyWorker.weights` (numpy arrays on the wire, see batch.to_wire). Returns
-        how long the engine sat idle since its last batch until they arrived, and the load's time."""
+        how long the engine sat idle since its last batch until they arrived, the load's time, and the
+        actor's gather time and the weights' bytes (engines.object_store_push)."""
         start = time.perf_counter()
         idle = start - self.done_at if self.done_at is not None else 0.0
         self.done_at = None
         self.engine.load_weights((name, from_wire(t)) for name, t in named_tensors)
-        return {"idle_s": idle, "load_s": time.perf_counter() - start}
+        # the actor's side of the push (engines.PushedWeights), for engines.object_store_push
+        pushed = {"gather_s": getattr(named_tensors, "gather_s", 0.0), "bytes": getattr(named_tensors, "nbytes", 0)}
+        return {"idle_s": idle, "load_s": time.perf_counter() - start, **pushed}
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -60,7 +60,13 @@ class Completion:
 
 class Completions(list):
     """A list of Completion that crosses process boundaries as three plain lists. Pickled one by one
-    (as Ray does with a list of dataclasses), each sample costs a Python-level reducer call."""
+    (as Ray does with a list of dataclasses), each sample costs a Python-level reducer call.
+
+    The worker that generated them sets `seconds` (the generate call's wall time on the engine) and `gpus`
+    (the engine's GPUs, 0 on a CPU) for the throughput metrics (`generation_throughput`)."""
+
+    seconds: float | None = None
+    gpus: float = 0.0
 
     def __reduce__(self):
         return _completions, (
@@ -69,14 +75,75 @@ class Completions(list):
             [c.finish_reason for c in self],
             [c.loss_mask for c in self],
             [c.turns for c in self],
+            self.seconds,
+            self.gpus,
         )
 
 
 def _completions(
-    token_ids: list, logprobs: list, reasons: list, loss_masks: list | None = None, turns: list | None = None
+    token_ids: list,
+    logprobs: list,
+    reasons: list,
+    loss_masks: list | None = None,
+    turns: list | None = None,
+    seconds: float | None = None,
+    gpus: float = 0.0,
 ) -> Completions:
     extra = zip(loss_masks, turns) if loss_masks is not None else ((None, None) for _ in token_ids)
-    return Completions(Completion(t, lp, r, m, n) for t, lp, r, (m, n) in zip(token_ids, logprobs, reasons, extra))
+    out = Completions(Completion(t, lp, r, m, n) for t, lp, r, (m, n) in zip(token_ids, logprobs, reasons, extra))
+    out.seconds, out.gpus = seconds, gpus
+    return out
+
+
+def generated_tokens(completions: list) -> int:
+    """Tokens the engine generated: every response token, less the observation tokens of multi-turn samples."""
+    return sum(len(c.token_ids) if c.loss_mask is None else sum(c.loss_mask) for c in completions)
+
+
+def generation_throughput(parts: list) -> dict[str, float]:
+    """Generation speed of a batch from its engines' parts (one `Completions` each, timed by its worker):
+    `perf/generation_tokens_per_s_per_gpu`, all generated tokens over the longest engine's time (the engines
+    run side by side) and over the engines' GPUs (a CPU engine counts as one), and
+    `perf/slowest_engine_tokens_per_s`, the lowest of the engines' own tokens/s. {} where no part was timed."""
+    timed = [p for p in parts if getattr(p, "seconds", None)]
+    if not timed:
+        return {}
+    tokens = [generated_tokens(p) for p in timed]
+    devices = sum(p.gpus or 1.0 for p in timed)
+    return {
+        "perf/generation_tokens_per_s_per_gpu": sum(tokens) / max(p.seconds for p in timed) / devices,
+        "perf/slowest_engine_tokens_per_s": min(n / p.seconds for n, p in zip(tokens, timed)),
+    }
+
+
+class PushedWeights(list):
+    """The (name, tensor on the wire) pairs of an object-store weight push (`PolicyWorker.weights`), with the
+    time actor rank 0 took to gather and convert them (`gather_s`) and their size in bytes (`nbytes`): the
+    engine reports both with its load, for `object_store_push`."""
+
+    gather_s: float = 0.0
+    nbytes: int = 0
+
+    def __reduce__(self):
+        return _pushed_weights, (list(self), self.gather_s, self.nbytes)
+
+
+def _pushed_weights(pairs: list, gather_s: float, nbytes: int) -> PushedWeights:
+    out = PushedWeights(pairs)
+    out.gather_s, out.nbytes = gather_s, nbytes
+    return out
+
+
+def object_store_push(loads: list[dict]) -> dict[str, float]:
+    """The split of an object-store weight push from its engines' load results (`RolloutWorker.load_weights`):
+    `timing/push_gather` (actor rank 0 gathering the full state dict) and `perf/push_gb_per_s` (the weights'
+    bytes, one copy, over the gather and the longest engine load). {} where the push did not say its size."""
+    nbytes = max(r.get("bytes", 0) for r in loads)
+    if not nbytes:
+        return {}
+    gather = max(r.get("gather_s", 0.0) for r in loads)
+    total = gather + max(r["load_s"] for r in loads)
+    return {"timing/push_gather": gather, "perf/push_gb_per_s": nbytes / max(total, 1e-9) / 1e9}
 
 
 class RolloutEngine(Protocol):

@@ -31,7 +31,8 @@ only at the end of the next step, so the driver's step itself reads straight thr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +41,7 @@ from ..algo.batch import from_wire, split_evenly
 from ..errors import TrainerError
 from ..metrics import Timer, combine
 from ..waiting import get_all
+from .engines import generation_throughput, object_store_push
 from .environment import environment_rewards
 from .multiturn import turn_metrics
 
@@ -57,20 +59,31 @@ class Rollouts:
     """Seconds the driver waited for it: generation that nothing else hid."""
     score_refs: list | None
     """The reward workers' scores, one call per engine part; None when the driver scores."""
+    records: list = field(default_factory=list)
+    """The prompt of each sample (n per prompt), for `score_here`."""
+    score_here: Callable[[list, list], list[float]] | None = None
+    """With reward.in_driver: (responses' token ids, their prompts) -> rewards, run in the driver."""
+    generation: dict = field(default_factory=dict)
+    """The engines' generation speed (engines.generation_throughput); {} where not measured."""
 
     def scores(self, reward_function: str = "", timeout_s: float = 0.0):
-        """The rewards [N], in the completions' order (waits for the reward workers: for each part at most
+        """The rewards [N], in the completions' order: the reward workers' (waiting for each part at most
         `timeout_s` (reward.timeout_s; 0: no limit) after the one before it, which ran before it on the
-        same worker or beside it). `reward_function` names it in the error."""
+        same worker or beside it; `reward_function` names it in the error), or `score_here`'s. Either way
+        each episode's environment rewards (rollout.environment) are added."""
         import ray
         import torch
 
         from ..inputs.rewards import too_slow
 
-        for ref in self.score_refs if timeout_s else ():
-            if not ray.wait([ref], timeout=timeout_s)[0]:
-                raise too_slow(f"reward.function={reward_function}", timeout_s, where=" on a reward worker")
-        scores = torch.cat([from_wire(s) for s in ray.get(self.score_refs)])
+        if self.score_refs is None:
+            responses = [c.token_ids for c in self.completions]
+            scores = torch.tensor(self.score_here(responses, self.records), dtype=torch.float32)
+        else:
+            for ref in self.score_refs if timeout_s else ():
+                if not ray.wait([ref], timeout=timeout_s)[0]:
+                    raise too_slow(f"reward.function={reward_function}", timeout_s, where=" on a reward worker")
+            scores = torch.cat([from_wire(s) for s in ray.get(self.score_refs)])
         # rollout.environment: each episode's summed environment rewards join its score
         return scores + torch.tensor(environment_rewards(self.completions), dtype=scores.dtype)
 
@@ -82,6 +95,7 @@ class Rollouts:
             "rollout/truncated": sum(c.finish_reason == "length" for c in self.completions) / len(self.completions),
             "rollout/policy_lag": self.lag,
             **turn_metrics(self.completions),
+            **self.generation,
         }
 
 
@@ -103,17 +117,26 @@ class InFlight:
     score_refs: list | None
     version: int
     """The weight version the engines had when it started."""
+    records: list
+    """Each sample's prompt (n per prompt)."""
 
 
 class RolloutQueue:
     def __init__(
-        self, engines: list, labels: list[str], timeout_s: float, scorers: list | None = None, samples: bool = False
+        self,
+        engines: list,
+        labels: list[str],
+        timeout_s: float,
+        scorers: list | None = None,
+        samples: bool = False,
+        score_here: Callable[[list, list], list[float]] | None = None,
     ):
         """`scorers`: the reward workers, which score each engine's part as it finishes; None when
-        the driver scores (reward.in_driver). `samples`: the engines get each prompt's dataset row too
-        (rollout.environment's `reset(sample)`)."""
+        the driver scores (reward.in_driver) with `score_here`. `samples`: the engines get each prompt's
+        dataset row too (rollout.environment's `reset(sample)`)."""
         self.engines, self.labels, self.timeout_s, self.scorers = engines, labels, timeout_s, scorers
         self.samples = samples
+        self.score_here = score_here
         self.version = 0
         """Weight pushes so far: the version the engines hold once they have loaded them."""
         self.pending: InFlight | None = None
@@ -137,7 +160,8 @@ class RolloutQueue:
                 self.scorers[i % len(self.scorers)].score.remote(ref, [p for p in chunk for _ in range(settings.n)])
                 for i, (ref, chunk) in enumerate(zip(refs, chunks))
             ]
-        return InFlight(step, [p.prompt_ids for p in prompts], refs, score_refs, self.version)
+        records = [p for p in prompts for _ in range(settings.n)]
+        return InFlight(step, [p.prompt_ids for p in prompts], refs, score_refs, self.version, records)
 
     def generate(self, prompts: list[PromptRecord], settings) -> Rollouts:
         """Samples for `prompts` with the weights pushed last (blocks)."""
@@ -146,7 +170,7 @@ class RolloutQueue:
         batch = self._launch(0, prompts, settings)
         completions = [c for part in ray.get(batch.refs) for c in part]
         self.settle()
-        return Rollouts(completions, 0, 0.0, batch.score_refs)
+        return Rollouts(completions, 0, 0.0, batch.score_refs, batch.records, self.score_here)
 
     def start(self, step: int, prompts: list[PromptRecord], settings) -> None:
         """Start generating `step`'s batch now, after the weights pushed last."""
@@ -168,8 +192,13 @@ class RolloutQueue:
         if then is not None:
             self.start(step + 1, *then)
         t0 = time.perf_counter()
-        completions = [c for part in ray.get(batch.refs) for c in part]
-        return Rollouts(completions, self.version - batch.version, time.perf_counter() - t0, batch.score_refs)
+        parts = ray.get(batch.refs)
+        completions = [c for part in parts for c in part]
+        waited = time.perf_counter() - t0
+        lag = self.version - batch.version
+        return Rollouts(
+            completions, lag, waited, batch.score_refs, batch.records, self.score_here, generation_throughput(parts)
+        )
 
     def push(self, weights, others: list = (), other_labels: list[str] = ()) -> dict[str, float]:
         """Send `weights` (an object ref to `PolicyWorker.weights`) to every engine without waiting.
@@ -206,6 +235,7 @@ class RolloutQueue:
         return {
             "timing/engine_weight_wait": max(r["idle_s"] for r in loads),
             "timing/engine_load": max(r["load_s"] for r in loads),
+            **object_store_push(loads),  # timing/push_gather, perf/push_gb_per_s
         }
 
 

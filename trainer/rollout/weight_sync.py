@@ -153,7 +153,8 @@ class WeightPush:
             # watchdog's timeout; so the push starts once that batch is done (its results wait in the object
             # store), which costs nothing: the engines could not load the weights any sooner.
             generating = self.queue.generating()
-            ray.wait(generating, num_returns=len(generating))
+            if generating:
+                ray.wait(generating, num_returns=len(generating))
         if self.sleeps and self.neighbours:  # the update's cached blocks back to the GPU before vLLM wakes
             workers = [w for g in self.neighbours for w in g.workers]
             labels = [label for g in self.neighbours for label in g.labels()]
@@ -167,8 +168,8 @@ class WeightPush:
             )
         if self.mode == "nccl":  # the actor drives the engines' side, each after its batch in flight
             self.queue.pushed_by_actor()
-            get_all([w.push_weights.remote() for w in actor.workers], actor.labels(), self.timeout_s, "the weight sync")
-            timings = {}
+            pushes = [w.push_weights.remote() for w in actor.workers]
+            timings = get_all(pushes, actor.labels(), self.timeout_s, "the weight sync")[0] or {}  # rank 0's split
         else:
             weights = [w.weights.remote() for w in actor.workers]
             timings = self.queue.push(weights[0], weights[1:], actor.labels()[1:])
@@ -265,14 +266,62 @@ class CastSource:
         return [ParamInfo(n, self.dtype or d, tuple(s)) for n, d, s in shapes]
 
     def __iter__(self):
+        """(name, full tensor) in `metadata()`'s order. Counts, for the push's metrics, the time spent gathering
+        and casting (`gather_seconds()`, apart from what the consumer does with each tensor: the send) and the
+        bytes yielded (`nbytes`)."""
         if self.adapters is not None:
             named = self.adapters.merged_parameters(self.model, full_tensor)
         else:
             named = ((n, full_tensor(p)) for n, p in self.model.named_parameters())
-        for name, tensor in named:
+        self.spans, self.nbytes = [], 0
+        on_cuda = self.device is not None and self.device.type == "cuda"
+        named = iter(named)
+        while True:
+            span = _Span(on_cuda)
+            item = next(named, None)  # the gather (FSDP2's full_tensor) runs here
+            if item is None:
+                return
+            name, tensor = item
             if self.device is not None or self.dtype is not None:
                 tensor = tensor.to(device=self.device, dtype=self.dtype)
+            self.spans.append(span.end())
+            self.nbytes += tensor.numel() * tensor.element_size()
             yield name, tensor
+
+    def gather_seconds(self) -> float:
+        """Seconds the last iteration spent gathering and casting (on a GPU the device's time between CUDA
+        events, read once here after the send, so the gathers are timed without waiting for each)."""
+        return sum(span.seconds() for span in getattr(self, "spans", []))
+
+
+class _Span:
+    """A timed stretch of the weight source's work: CUDA events on a GPU (no wait for the device until
+    `seconds()`), the host's clock otherwise."""
+
+    def __init__(self, on_cuda: bool):
+        import time
+
+        self.events = None
+        if on_cuda:
+            import torch
+
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.start, self.stop = time.perf_counter(), None
+
+    def end(self) -> _Span:
+        import time
+
+        if self.events is not None:
+            self.events[1].record()
+        self.stop = time.perf_counter()
+        return self
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.stop - self.start
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1e3
 
 
 def cast_source(model, dtype=None, device=None, adapters=None) -> CastSource:
@@ -367,9 +416,22 @@ class WeightSyncGroup:
         else:
             raise ValueError(f"unknown weight sync backend {backend!r}: use nccl, ipc or sglang")
 
-    def push(self) -> None:
-        """Send every parameter; returns when the engines have loaded them."""
+    def push(self) -> dict[str, float]:
+        """Send every parameter; returns when the engines have loaded them, with the push's split:
+        `timing/push_gather` (gathering and casting the full tensors, `CastSource.gather_seconds`),
+        `timing/push_broadcast` (the rest: the sends and the engines' loads) and `perf/push_gb_per_s` (the bytes
+        sent, one copy, over the whole push)."""
+        import time
+
+        start = time.perf_counter()
         self.transfer.send_weights()
+        total = max(time.perf_counter() - start, 1e-9)
+        gather = min(self.source.gather_seconds(), total)
+        return {
+            "timing/push_gather": gather,
+            "timing/push_broadcast": total - gather,
+            "perf/push_gb_per_s": getattr(self.source, "nbytes", 0) / total / 1e9,
+        }
 
 
 def open_torch_group(

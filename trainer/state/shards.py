@@ -1,42 +1,66 @@
-"""The driver's side of sharded checkpoints: every trained role's ranks write and read their own shards
-(torch.distributed.checkpoint) in parallel; the driver only moves the files of nodes that do not see
-the checkpoint directory.
+"""The driver's side of sharded checkpoints and of the HF export: every trained role's ranks write and read
+their own shards (torch.distributed.checkpoint) in parallel; the driver only moves the files of nodes that
+do not see its directory.
 
-    checkpoint.save(run_dir, step, {}, state, yaml, keep, write_shards=lambda tmp: save_roles(roles, tmp, 600))
+    save_run(roles, cfg, step, driver_state)   # the whole run's checkpoint (and its copy off the instance)
     load_roles(roles, ckpt, 600)   # after launch_roles, before the first step
+    export_policy(roles, run_dir / "hf_model", 600)   # save_pretrained, on the driver's disk
 
 A node sees the directory when it is on the driver's disk or a volume both mount (the usual case for
-a local cluster, or a run_dir on a shared volume); otherwise its ranks write into a scratch directory and
-return their own files, which the driver writes one rank at a time (so it holds one rank's shard at most),
-and on resume each such rank receives the role's files through Ray's object store.
+a local cluster, or a run_dir on a shared volume), and its ranks read and write there in place. Otherwise
+a rank writes into a scratch directory on its own node, and the driver pulls each file in bounded chunks
+(transfer.py), one rank at a time, writing each chunk as it arrives; on resume the driver pushes the
+role's files into such ranks' scratch directories the same way. Neither the driver nor Ray's object store
+holds more than one chunk of a transfer at a time, however large a rank's shard.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 from ..waiting import get_all
+from . import checkpoint, storage, transfer
 
 
 def trained_groups(roles) -> dict:
     return {name: g for name, g in (("actor", roles.actor), ("critic", roles.critic)) if g is not None}
 
 
+def save_run(roles, cfg, step: int, driver_state: dict) -> Path:
+    """The run's checkpoint at `step`: every trained role's shards (`save_roles`), the driver's state and
+    the config, written atomically (checkpoint.save); then, with trainer.checkpoint_uri, a copy off the
+    instance (storage.upload)."""
+    tc = cfg.trainer
+    path = checkpoint.save(
+        tc.run_dir,
+        step,
+        {},
+        driver_state,
+        cfg.to_yaml(),
+        tc.keep_last,
+        write_shards=lambda tmp: save_roles(roles, tmp, tc.worker_timeout_s),
+    )
+    if tc.checkpoint_uri:
+        storage.upload(path, tc.checkpoint_uri, tc.keep_last)
+    return path
+
+
 def save_roles(roles, tmp: Path, timeout_s: float) -> None:
-    """Every rank of every trained role writes its shards into `tmp/<role>/` (all roles at once)."""
-    calls = {
-        name: [w.save_shards.remote(str(tmp / name)) for w in g.workers] for name, g in trained_groups(roles).items()
-    }
+    """Every rank of every trained role writes its shards into `tmp/<role>/` (all roles at once); the driver
+    then pulls the files of ranks whose node does not see `tmp`."""
+    groups = trained_groups(roles)
+    calls = {name: [w.save_shards.remote(str(tmp / name)) for w in g.workers] for name, g in groups.items()}
     for name, refs in calls.items():
-        group = trained_groups(roles)[name]
+        group = groups[name]
         (tmp / name).mkdir(exist_ok=True)
         scheduler = None
-        for ref, label in zip(refs, group.labels()):
+        for ref, worker, label in zip(refs, group.workers, group.labels()):
             files, sched = get_all([ref], [label], timeout_s, f"saving the {name} shards")[0]
-            for file, data in files.items():
-                (tmp / name / file).write_bytes(data)
-            del files
+            if files:  # written on its own node: the shards stay there until pulled
+                transfer.pull(worker, label, files, tmp / name, timeout_s, f"copying the {name} shards from {label}")
             scheduler = sched if sched is not None else scheduler
         (tmp / f"{name}.json").write_text(json.dumps(scheduler))
 
@@ -61,12 +85,31 @@ def load_roles(roles, ckpt, timeout_s: float) -> None:
             timeout_s,
             f"checking which {name} nodes see {directory}",
         )
-        shipped = None
-        if not all(seen):  # put each file into the object store once, for the ranks that need it
-            shipped = {f.name: ray.put(f.read_bytes()) for f in sorted(directory.iterdir()) if f.is_file()}
-        refs += [
-            w.load_shards.remote(str(directory), scheduler, None if ok else shipped)
-            for w, ok in zip(group.workers, seen)
-        ]
+        blind = [(w, label) for w, label, ok in zip(group.workers, group.labels(), seen) if not ok]
+        if blind:  # the role's files, chunk by chunk, to every rank that needs them at once
+            workers, names = [w for w, _ in blind], [label for _, label in blind]
+            transfer.push(workers, names, directory, timeout_s, f"sending the {name} shards to {', '.join(names)}")
+        refs += [w.load_shards.remote(str(directory), scheduler, not ok) for w, ok in zip(group.workers, seen)]
         labels += group.labels()
     get_all(refs, labels, timeout_s, "loading the checkpoint's shards")
+
+
+def export_policy(roles, path: Path, timeout_s: float) -> None:
+    """The policy's `save_pretrained` directory at `path` on the driver's disk (replacing what is there). It
+    is written into a fresh temporary directory beside `path`, then renamed into place: by actor rank 0 in
+    place when its node sees that directory (a name no other node can hold by chance, as it could `run_dir`),
+    else on rank 0's own node, from which the driver pulls it."""
+    group = roles.actor
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp", dir=path.parent))
+    try:
+        target = tmp / path.name
+        refs = [w.export_hf.remote(str(target)) for w in group.workers]
+        exported = get_all(refs, group.labels(), timeout_s, "exporting the policy")
+        for worker, label, files in zip(group.workers, group.labels(), exported):
+            if files:
+                transfer.pull(worker, label, files, target, timeout_s, f"copying the exported policy from {label}")
+        if path.exists():
+            shutil.rmtree(path)
+        target.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

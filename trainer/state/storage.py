@@ -5,7 +5,7 @@ as recent (a new instance, a deleted volume).
 
     check(uri)                              # before the run starts: reachable, else one line
     fetch_newest(uri, run_dir)              # -> the downloaded checkpoint, or None
-    upload_if_configured(path, trainer_cfg) # after each local save
+    upload(path, uri, keep_last)            # after each local save (shards.save_run)
 
 A copy is complete once its `COMPLETE` marker exists; the marker is written after every other file, so
 an upload cut short is never resumed from. Nothing in the bucket is trusted: a copy is downloaded file
@@ -188,12 +188,6 @@ def refuse_taken(uri: str) -> None:
             f"starts fresh (trainer.resume=never): give it a prefix of its own (e.g. "
             f"trainer.checkpoint_uri={uri.rstrip('/')}-2), or continue that run with trainer.resume=auto"
         )
-
-
-def upload_if_configured(step_dir: Path, trainer_cfg) -> Path:
-    if trainer_cfg.checkpoint_uri:
-        upload(step_dir, trainer_cfg.checkpoint_uri, trainer_cfg.keep_last)
-    return step_dir
 
 
 def fetch_newest(uri: str, run_dir: str) -> Path | None:
