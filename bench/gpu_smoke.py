@@ -318,7 +318,7 @@ def main(argv=None) -> int:
                 pg_loss=stats["actor/pg_loss"],
                 kl=stats.get("actor/kl_loss", 0.0),
                 grad_norm=stats["actor/grad_norm"],
-                **{k: v for k, v in stats.items() if k.startswith("memory/actor_")},  # the worker's own count
+                **{k: v for k, v in stats.items() if k.startswith(("memory/actor_", "perf/actor_"))},  # its own
             )
         )
         if rank == 0:
@@ -369,6 +369,7 @@ def main(argv=None) -> int:
         "start_peak_memory_gib": start_peak_gib,
         "start_host_rss_gib": start_rss_gib,
         **{k: steps[-1][k] for k in steps[-1] if k.startswith("memory/")},  # the last step's, as metrics.jsonl
+        **{k: mean[k] for k in mean if k.startswith("perf/")},  # the worker's own per-step numbers, timed steps
         "params_changed": len(trained) - len(unchanged),
         "params_total": len(trained),
         "frozen_params_moved": len(frozen_moved),
@@ -416,6 +417,7 @@ def main(argv=None) -> int:
             f"{start_peak_gib if start_peak_gib is not None else float('nan'):.2f}, {start_rss_gib:.2f}",
         ),
         ("MFU", f"{mfu:.2%} of {args.peak_tflops:g} TFLOP/s bf16 (--peak-tflops)" if cuda else "n/a on CPU"),
+        *((f"worker's {k}", f"{v:.4g}") for k, v in res.items() if k.startswith("perf/")),
         (
             "trained parameters changed",
             f"{res['params_changed']}/{res['params_total']} tensors after {args.steps} steps",
