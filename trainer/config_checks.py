@@ -315,8 +315,6 @@ def validate(cfg: Any) -> None:
         raise ConfigError(
             "rollout.environment runs its episodes in rollout workers: set placement.rollout_in_actor=false"
         )
-    if r.environment and cfg.reward.in_driver:
-        raise ConfigError("rollout.environment's rewards are added on the reward workers: set reward.in_driver=false")
     if cfg.reward.in_driver and cfg.reward.model_path:
         raise ConfigError(
             "reward.in_driver=true scores rule-based rewards only, but reward.model_path is set: "

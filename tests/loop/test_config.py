@@ -575,3 +575,9 @@ def test_each_preset_and_preset_file_gets_a_run_directory_of_its_own(tmp_path):
     assert load_config(str(job)).trainer.run_dir == "runs/my-experiment"
     assert load_config("local").trainer.run_dir == "runs/local"
     assert load_config(str(job), ["trainer.run_dir=elsewhere"]).trainer.run_dir == "elsewhere"
+
+
+def test_an_environment_may_be_scored_in_the_driver():
+    """The rollout queue adds the environment's rewards on either path (tests/rollout/test_rollout_queue.py)."""
+    cfg = load_config("calculator", ["reward.in_driver=true"])
+    assert cfg.rollout.environment and cfg.reward.in_driver
