@@ -244,24 +244,28 @@ class RetrieverServer(ThreadingHTTPServer):
         self.queries_served = 0
         self.lock = threading.Lock()  # one search at a time: the index is not thread-safe
         self.clients = threading.BoundedSemaphore(MAX_CLIENTS)
+        self.slots: dict = {}
+        """Each open connection's semaphore (`clients` when it was accepted), released by its own thread."""
         super().__init__(address, _Handler)
 
     def process_request(self, request, client_address):
         """A thread per connection, up to MAX_CLIENTS at once; past that an immediate 503."""
-        if not self.clients.acquire(blocking=False):
+        clients = self.clients
+        if not clients.acquire(blocking=False):
             try:
                 request.sendall(raw_answer(503, f"the retriever serves {MAX_CLIENTS} connections at once: retry"))
             except OSError:
                 pass
             self.shutdown_request(request)
             return
+        self.slots[request] = clients
         super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.clients.release()
+            self.slots.pop(request).release()
 
     def handle_error(self, request, client_address):
         """A client that went away mid-request (dropped as too slow, or gone) is no error worth a traceback."""
