@@ -417,3 +417,39 @@ def test_weight_source_sends_the_engines_dtype():
     sent = dict(cast)
     assert sent["weight"].dtype == torch.bfloat16
     torch.testing.assert_close(sent["weight"], model.weight.detach().to(torch.bfloat16))
+
+
+class _ShardedParam:
+    """Stands in for an FSDP2 DTensor parameter (a shard of fp32 master weights): `full_tensor()` is the
+    gather, and records the dtype it moved."""
+
+    def __init__(self, full: torch.Tensor, gathered: list, dtype=None):
+        self.full, self.gathered = full, gathered
+        self.dtype = dtype or full.dtype
+        self.shape = full.shape
+
+    def detach(self):
+        return self
+
+    def to(self, dtype):
+        return _ShardedParam(self.full, self.gathered, dtype)
+
+    def full_tensor(self):
+        self.gathered.append(self.dtype)
+        return self.full.to(self.dtype)
+
+
+def test_sharded_weights_are_cast_before_the_gather():
+    """Under FSDP2 the push casts each rank's shard to the engines' dtype before gathering it, so the gather
+    moves bf16, not the fp32 master weights; what is sent equals the fp32 weights cast."""
+    from cloudrl.trainer.rollout.weight_sync import cast_source
+
+    gathered = []
+    weights = {"w": torch.randn(3, 4), "b": torch.randn(3)}
+    model = NS(named_parameters=lambda: [(n, _ShardedParam(t, gathered)) for n, t in weights.items()])
+    sent = dict(cast_source(model, torch.bfloat16))
+    assert gathered == [torch.bfloat16, torch.bfloat16]
+    assert {n: t.dtype for n, t in sent.items()} == {"w": torch.bfloat16, "b": torch.bfloat16}
+    torch.testing.assert_close(sent["w"], weights["w"].to(torch.bfloat16))
+    gathered.clear()
+    assert dict(cast_source(model))["w"].dtype == torch.float32 and gathered == [torch.float32, torch.float32]

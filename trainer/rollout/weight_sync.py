@@ -243,11 +243,16 @@ class ParamInfo(NamedTuple):
     shape: tuple[int, ...]
 
 
-def full_tensor(param):
+def full_tensor(param, dtype=None):
     """The whole tensor of a parameter: FSDP2's DTensor shards are gathered (a collective, called in the same
-    order on every rank), a plain tensor is itself."""
+    order on every rank), a plain tensor is itself. With `dtype` each rank casts its shard first, so the
+    gather moves the engines' dtype (bf16: half the bytes of the fp32 master weights)."""
     gather = getattr(param, "full_tensor", None)
-    return gather() if callable(gather) else param
+    if not callable(gather):
+        return param
+    if dtype is not None and param.dtype != dtype:
+        return param.detach().to(dtype).full_tensor()
+    return gather()
 
 
 class CastSource:
@@ -272,7 +277,7 @@ class CastSource:
         if self.adapters is not None:
             named = self.adapters.merged_parameters(self.model, full_tensor)
         else:
-            named = ((n, full_tensor(p)) for n, p in self.model.named_parameters())
+            named = ((n, full_tensor(p, self.dtype)) for n, p in self.model.named_parameters())
         self.spans, self.nbytes = [], 0
         on_cuda = self.device is not None and self.device.type == "cuda"
         named = iter(named)
