@@ -1,7 +1,8 @@
 """LoRA on the actor (model.lora_rank, inputs/lora.py), in process on the built-in tiny model: only the adapters
 train; the reference is exactly the base model with the adapters off; the engines get the plain model's names and
 merged weights (HF and vLLM paths); checkpoints hold the adapters and their optimizer state and round-trip bit for
-bit; the HF export is the merged model plus the adapter; two FSDP2 ranks on gloo update as one rank does."""
+bit; the HF export is the merged model plus the adapter; under model.dtype=bfloat16 the frozen base is held in
+bf16 and the adapters in fp32; two FSDP2 ranks on gloo update as one rank does."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from cloudrl.trainer.algo.batch import split_batch, update_shards
+from cloudrl.trainer.algo.batch import from_wire, split_batch, update_shards
 from cloudrl.trainer.config import ConfigError, load_config
 from cloudrl.trainer.errors import ModelLoadError
 from cloudrl.trainer.inputs.models import load_causal_lm, resolve_path
@@ -177,6 +178,57 @@ def test_the_hf_export_is_the_merged_model_and_the_adapter(tmp_path):
         torch.testing.assert_close(forward_logprobs(model, batch, cfg.rollout.temperature)[0], policy)
 
 
+def test_a_bfloat16_run_holds_the_frozen_base_in_bfloat16_and_trains_fp32_adapters(tmp_path):
+    """model.dtype=bfloat16: the frozen base is held in bf16 (half its fp32 bytes), the adapters and their AdamW
+    moments in fp32; an update moves only the adapters; the reference is the bf16 base; the export merges in fp32
+    and rounds once."""
+    worker, cfg = _actor("model.dtype=bfloat16")
+    params = dict(worker.model.named_parameters())
+    trained = {n for n, p in params.items() if p.requires_grad}
+    assert trained and all(params[n].dtype == torch.float32 for n in trained)
+    frozen = {n: p for n, p in params.items() if n not in trained}
+    assert all(p.dtype == torch.bfloat16 for p in frozen.values())
+    fp32 = _plain(cfg)
+    assert sum(p.numel() * p.element_size() for p in frozen.values()) * 2 == sum(
+        p.numel() * p.element_size() for p in fp32.parameters()
+    )
+    before = {n: t.detach().clone() for n, t in [*worker.model.named_parameters(), *worker.model.named_buffers()]}
+
+    batch = _updated(worker, cfg, steps=2)
+    for name, t in [*worker.model.named_parameters(), *worker.model.named_buffers()]:
+        assert torch.equal(t, before[name]) != (name in trained), name  # adapters moved, bit for bit nothing else
+        assert t.dtype == before[name].dtype, name
+    moments = [t for state in worker.optimizer.state.values() for k, t in state.items() if k != "step"]
+    assert len(moments) == 2 * len(trained) and all(t.dtype == torch.float32 for t in moments)
+
+    # The reference: the base in bfloat16, as a plain model loaded in model.dtype computes it.
+    inputs = batch.only("input_ids", "attention_mask", "response_mask")
+    bf16 = load_causal_lm(resolve_path(cfg.model.path, cfg), "bfloat16").eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        base = forward_logprobs(bf16, inputs, cfg.rollout.temperature)[0]
+    assert torch.equal(worker.ref_logprobs(inputs), base)
+
+    # Export: each adapted weight is W (bf16) + B @ A * scale summed in fp32, then rounded once to bf16.
+    worker.export_hf(str(tmp_path / "hf_model"))
+    exported = load_causal_lm(str(tmp_path / "hf_model"), "bfloat16").state_dict()
+    params = dict(worker.model.named_parameters())
+    merged = 0
+    for name, p in params.items():
+        if name not in frozen:
+            continue
+        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        expected = p.detach()
+        if name.endswith(".base_layer.weight"):
+            module = name.removesuffix(".base_layer.weight")
+            a, b = params[f"{module}.lora_A.default.weight"], params[f"{module}.lora_B.default.weight"]
+            expected = (p.float() + b @ a * (ALPHA / RANK)).to(torch.bfloat16).detach()
+            merged += 1
+        assert exported[plain].dtype == torch.bfloat16 and torch.equal(exported[plain], expected), plain
+    assert merged == len(trained) // 2
+    pushed = {n: from_wire(t) for n, t in worker.weights()}
+    assert list(pushed) == list(exported) and all(torch.equal(pushed[n], t) for n, t in exported.items())
+
+
 def test_lora_keys_fail_in_one_line():
     for override, words in [
         ("model.lora_rank=-1", "model.lora_rank"),
@@ -194,24 +246,28 @@ def test_lora_keys_fail_in_one_line():
         _actor("model.lora_target_modules=[embed_tokens]")
 
 
-def _sharded_update(rank: int, port: int, batch, out) -> None:
-    cfg = load_config("local", [*LORA, "actor.workers_per_node=2"])
+def _sharded_update(rank: int, port: int, batch, dtype: str, out) -> None:
+    cfg = load_config("local", [*LORA, "actor.workers_per_node=2", f"model.dtype={dtype}"])
     worker = PolicyWorker(cfg.to_dict(), resolve_path(cfg.model.path, cfg), rank=rank, world_size=2)
     worker.start_training("127.0.0.1", port)
     assert worker.sharded
+    held = {(p.requires_grad, p.to_local().dtype) for p in worker.model.parameters()}
     inputs = batch.only("input_ids", "attention_mask", "response_mask")
     ref = worker.ref_logprobs(split_batch(inputs, 2)[rank])  # as the driver calls it: each rank its part
     shards, norms = update_shards(batch, 2, cfg.actor, seed=0)
     worker.update(shards[rank], norms, kl_coef=0.0)
     weights = worker.weights()  # a collective; rank 0 gets the merged weights
     trained = sum(p.requires_grad for p in worker.model.parameters())
-    out[rank] = {"ref": ref, "weights": weights, "trained": trained}
+    moments = {t.dtype for state in worker.optimizer.state.values() for k, t in state.items() if k != "step"}
+    out[rank] = {"ref": ref, "weights": weights, "trained": trained, "held": held, "moments": moments}
 
 
-def test_two_fsdp2_ranks_on_gloo_update_the_adapters_as_one_rank():
-    """Wrapped before sharding: two FSDP2 ranks keep the base frozen, give the base model's reference log-probs
-    and push the merged weights of the one-rank update."""
-    worker, cfg = _actor()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_fsdp2_ranks_on_gloo_update_the_adapters_as_one_rank(dtype):
+    """Wrapped before sharding: two FSDP2 ranks keep the base frozen (in model.dtype, the adapters in fp32), give
+    the base model's reference log-probs (the first forward: FSDP2 must still see the adapters as trained) and
+    push the merged weights of the one-rank update."""
+    worker, cfg = _actor(f"model.dtype={dtype}")
     batch = fixed_batch(cfg, 16)
     inputs = batch.only("input_ids", "attention_mask", "response_mask")
     ref = worker.ref_logprobs(inputs)
@@ -223,11 +279,14 @@ def test_two_fsdp2_ranks_on_gloo_update_the_adapters_as_one_rank():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     two = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_sharded_update, args=(port, batch, two), nprocs=2, join=True)
+    mp.spawn(_sharded_update, args=(port, batch, dtype, two), nprocs=2, join=True)
     assert two[0]["trained"] == two[1]["trained"] == sum(p.requires_grad for p in worker.model.parameters())
+    base = getattr(torch, dtype)
+    assert two[0]["held"] == two[1]["held"] == {(False, base), (True, torch.float32)}
+    assert two[0]["moments"] == two[1]["moments"] == {torch.float32}
     torch.testing.assert_close(torch.cat([two[0]["ref"], two[1]["ref"]]), ref, rtol=0, atol=1e-6)
     assert two[1]["weights"] is None
     sharded = dict(two[0]["weights"])
     assert list(sharded) == list(one)
     for name, value in one.items():
-        torch.testing.assert_close(torch.from_numpy(sharded[name]), torch.from_numpy(value), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(from_wire(sharded[name]), from_wire(value), rtol=1e-4, atol=1e-5)

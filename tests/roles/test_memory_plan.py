@@ -144,9 +144,19 @@ def test_lora_keeps_optimizer_state_for_the_adapters_alone():
     assert adapters == 8 * 16 * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
     assert gib(lora, "actor", "actor AdamW") == pytest.approx(8 * adapters / 4 / GIB)
     assert gib(lora, "actor", "actor AdamW") < gib(full, "actor", "actor AdamW") / 20
-    # The frozen base stays in fp32; the reference is the base with the adapters off: no second copy.
-    assert gib(lora, "actor", "actor parameters") > gib(full, "actor", "actor parameters")
+    # The frozen base is held in model.dtype (bfloat16 here), the adapters in fp32: the parameters about halve.
+    # The reference is the base with the adapters off: no second copy.
+    s = 4  # the actor's ranks, sharded with FSDP
+    assert gib(lora, "actor", "actor parameters") == pytest.approx((2 * SMALL.params() + 4 * adapters) / s / GIB)
+    assert gib(full, "actor", "actor parameters") == pytest.approx(4 * SMALL.params() / s / GIB)
+    assert gib(lora, "actor", "actor parameters") < 0.55 * gib(full, "actor", "actor parameters")
     assert gib(lora, "actor", "reference") == 0
+    # In float32 the base stays 4 bytes a parameter.
+    fp32 = plan_memory(load_config("gsm8k-7b", ["model.lora_rank=16", "model.dtype=float32"]), SMALL)
+    assert gib(fp32, "actor", "actor parameters") == pytest.approx(4 * (SMALL.params() + adapters) / s / GIB)
+    # Unsharded, autocast casts only the fp32 adapters: the base is already in bfloat16.
+    one = plan_memory(load_config("gsm8k-7b", ["model.lora_rank=16", "actor.fsdp=false"]), SMALL)
+    assert gib(one, "actor", "actor compute copy") == pytest.approx(2 * adapters / GIB)
 
 
 def test_a_token_budget_bounds_the_activations():

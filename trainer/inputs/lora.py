@@ -2,19 +2,21 @@
 
 `wrap` puts peft's LoRA layers into the actor's model before it is placed or sharded: the base weights are
 frozen and only the adapters (lora_A, lora_B of each targeted linear layer) require grad, so only they are in
-the optimizer and in checkpoints. The reference policy is the same model with the adapters off
-(`PeftModel.disable_adapter()`), exactly the base model.
+the optimizer and in checkpoints. Only the adapters keep float32 master weights: the frozen base is held in the
+compute dtype (model.dtype; `freeze_base`), half the memory under bfloat16. The reference policy is the same
+model with the adapters off (`base_only`), exactly the base model as held (in model.dtype).
 
 peft renames what it wraps: `base_model.model.` in front of every name, `.base_layer` inside a targeted layer,
 and the adapters beside it (`.lora_A.default.weight`, `.lora_B.default.weight`). The engines and the HF export
 want the plain model's names and one weight per layer: `merged_state` turns a full state dict of the wrapped
-model into the plain model's (each targeted weight W + B @ A * scale), and `Adapters.merged_parameters` does the
-same one parameter at a time for the GPU weight sync (rollout/weight_sync.py). peft is imported only here, and
-only when LoRA is on.
+model into the plain model's (each targeted weight W + B @ A * scale, summed in float32 and rounded once to
+W's dtype), and `Adapters.merged_parameters` does the same one parameter at a time for the GPU weight sync
+(rollout/weight_sync.py). peft is imported only here, and only when LoRA is on.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -112,9 +114,26 @@ class Adapters:
             yield base_name(name), full
 
 
+@contextlib.contextmanager
+def base_only(model: torch.nn.Module) -> Iterator[None]:
+    """The wrapped model computing as its base model (peft's `disable_adapter()`), with what requires grad left
+    as it is: peft switches the adapters' requires_grad off while they are disabled, and FSDP2 fixes each shard
+    group's gradient dtype from the parameters requiring grad at the model's first forward, which is this one
+    when the reference log-probs come first (a group with none would reduce bf16 gradients into fp32 adapters)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    with model.disable_adapter():
+        for p in trained:
+            p.requires_grad_(True)
+        yield
+
+
 def wrap(model: torch.nn.Module, model_cfg, seed: int) -> torch.nn.Module:
-    """`model` (a causal LM, possibly on the meta device) with LoRA adapters on `model_cfg.lora_target_modules`.
-    Every rank draws the same initial adapters (`seed`), as every rank reads the same base weights."""
+    """`model` (a causal LM, possibly on the meta device) with LoRA adapters on `model_cfg.lora_target_modules`,
+    its frozen base then held in model_cfg.dtype (`freeze_base`). Every rank draws the same initial adapters
+    (`seed`), as every rank reads the same base weights. Both the meta skeleton and the weights rank 0 reads
+    pass through here before sharding, so their dtypes agree when rank 0 broadcasts into the shards."""
+    from .models import dtype_of
+
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
@@ -141,7 +160,28 @@ def wrap(model: torch.nn.Module, model_cfg, seed: int) -> torch.nn.Module:
                 f"model (e.g. q_proj,v_proj) or use all-linear"
             ) from None
     _check_layers(wrapped, targets)
+    freeze_base(wrapped, dtype_of(model_cfg.dtype))
     return wrapped
+
+
+def freeze_base(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Hold every frozen floating-point parameter and persistent buffer of `model` in `dtype` (the compute dtype),
+    in place: they are never updated, so float32 masters would only double their memory. What trains (the
+    adapters) stays float32 for the optimizer. Non-persistent buffers (rotary frequencies, computed at init) stay
+    as the model made them, as in a model loaded in `dtype`. Tied parameters stay tied (the same Parameter's data
+    is replaced)."""
+    if dtype == torch.float32:
+        return
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+            for name, buf in module._buffers.items():
+                if buf is None or name in module._non_persistent_buffers_set:
+                    continue
+                if buf.is_floating_point() and buf.dtype != dtype:
+                    module._buffers[name] = buf.to(dtype)
 
 
 def _check_layers(wrapped: torch.nn.Module, targets: list[str]) -> None:

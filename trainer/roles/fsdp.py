@@ -3,8 +3,9 @@
 Used when `<role>.fsdp=true` and the role has more than one worker (or runs on a GPU): the same code
 shards over NCCL on GPUs and over gloo on CPU, so the CPU suite exercises the GPU path. The process
 group must exist first (TrainableWorker.start_training). Each transformer block is a shard unit, then
-the root. Parameters stay fp32 (the master weights the optimizer updates); with `model.dtype=bfloat16`
-the forward and backward run in bf16 and gradients are reduced in fp32.
+the root. Parameters stay fp32 (the master weights the optimizer updates; under LoRA only the adapters, the
+frozen base is held in model.dtype); with `model.dtype=bfloat16` the forward and backward run in bf16 and
+gradients are reduced in fp32.
 
 Only rank 0 reads the weights: every rank builds the model's skeleton on the meta device (`skeleton`),
 shards it, allocates its own shard, and rank 0 broadcasts the weights it read into every rank's shard
@@ -33,10 +34,13 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None, cpu_offload: bool = False) -> None:
     """Shard `model` in place over the default process group. `compute_dtype` None (or the parameters'
-    own dtype) computes in the stored dtype; CPU offload keeps parameters and optimizer state on the host."""
+    own dtype) computes in the stored dtype; CPU offload keeps parameters and optimizer state on the host. The
+    stored dtype is the trained parameters' (FSDP2 wants one among them): under LoRA the frozen base is already
+    in the compute dtype and the float32 adapters are cast for compute."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    stored = next(model.parameters()).dtype
+    params = list(model.parameters())
+    stored = next((p.dtype for p in params if p.requires_grad), params[0].dtype)
     param_dtype = compute_dtype if compute_dtype not in (None, stored) else None
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)}
     if cpu_offload:

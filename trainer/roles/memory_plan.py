@@ -21,8 +21,9 @@ Trained roles (actor, critic), per GPU (TrainableWorker: fp32 master weights, co
   unsharded over N > 1 ranks, the flat buffer of the gradient all-reduce (the fused AdamW needs none).
 - compute copy: sharded, FSDP2 gathers the root's parameters (embeddings, head) and, prefetching, two
   blocks at a time in model.dtype: d·(P_root + 2·P_block); unsharded under autocast, d·P (the cast cache).
-- LoRA (`model.lora_rank > 0`, the actor): the frozen base stays in fp32 too (4·P / S, no gradients or
-  state); the adapters add r·(in + out) parameters per targeted linear layer (T = their sum).
+- LoRA (`model.lora_rank > 0`, the actor): the frozen base is held in model.dtype (d·P / S, no gradients or
+  state; inputs/lora.freeze_base); the adapters add r·(in + out) fp32 parameters per targeted linear layer (T =
+  their sum, 4·T / S). Unsharded, autocast then casts only the adapters: a compute copy of d·T.
 - reference in the actor's processes (`placement.colocate_actor_ref`, or `colocate_all`): d·P / S, sharded
   like the policy; under LoRA none (the adapters are switched off instead).
 - activations of one micro-batch of M tokens: M = `<role>.max_tokens_per_micro_batch` when set (at least one
@@ -317,11 +318,11 @@ def _trained(cfg: Config, role: str, shape: ModelShape) -> _Trained:
     s = rc.world_size if sharded else 1
     if sharded:
         copy_params = shape.root_params(head) + 2 * shape.block_params
-    else:
-        copy_params = total if d < 4 else 0
-    what = _count(total) + (f" + {_count(trained)} LoRA" if lora else "")
+    else:  # autocast casts what is not in model.dtype already: under LoRA the adapters alone
+        copy_params = (trained if lora else total) if d < 4 else 0
+    what = _count(total) + (f" frozen in {cfg.model.dtype} + {_count(trained)} LoRA" if lora else "")
     return _Trained(
-        params=4 * (total + (trained if lora else 0)) / s / GIB,
+        params=(d * total + 4 * trained if lora else 4 * total) / s / GIB,
         grads=4 * trained / s / GIB,
         optim=8 * trained / s / GIB,
         step_temp=4 * trained / s / GIB if sharded or rc.world_size > 1 else 0.0,

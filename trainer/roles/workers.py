@@ -58,7 +58,8 @@ class PolicyWorker(TrainableWorker):
             model_path = on_this_node(model_path)
             self.model_path = model_path
             lora = cfg.model.lora_rank > 0
-            self.model = self.load_model("causal_lm", model_path, "float32", lora=lora)  # master weights
+            # fp32 master weights; under LoRA only the adapters, the frozen base is held in model.dtype (lora.py)
+            self.model = self.load_model("causal_lm", model_path, "float32", lora=lora)
             self.tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
             self.reference = None
             self.adapters = None  # LoRA: where the adapters are and how they merge (inputs/lora.py)
@@ -108,8 +109,10 @@ class PolicyWorker(TrainableWorker):
 
     @torch.no_grad()
     def ref_logprobs(self, batch: Batch) -> torch.Tensor:
-        if self.adapters is not None:  # LoRA: the base model, exactly, in this worker's compute dtype
-            with self.model.disable_adapter(), self.autocast():
+        if self.adapters is not None:  # LoRA: the base model, exactly, as held (model.dtype)
+            from ..inputs.lora import base_only
+
+            with base_only(self.model), self.autocast():
                 return self._inference(self.model, batch)
         return self._inference(self.reference, batch)
 
