@@ -410,10 +410,16 @@ def loss_normalizer(mask, mode="token-mean"):
     Computed on a whole mini-batch's mask, it is the global `normalizer` that makes micro-batches
     and ranks add up to that mini-batch (see the module docstring).
     """
+    return float(loss_count(mask, mode))
+
+
+def loss_count(mask, mode="token-mean"):
+    """`loss_normalizer` as a 0-dim tensor on the mask's device (at least 1), for callers that must not wait
+    for the device to read it."""
     _check_agg_mode(mode)
     m = mask.bool()
     count = m.sum() if mode == "token-mean" else m.any(-1).sum()
-    return max(float(count), 1.0)
+    return count.clamp(min=1)
 
 
 def aggregate_loss(per_token_loss, mask, normalizer=None, agg_mode="token-mean", max_len=None):

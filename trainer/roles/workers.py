@@ -204,7 +204,7 @@ class PolicyWorker(TrainableWorker):
                         logprobs, old, advantages, mask, *clip, actor_cfg.dual_clip or None, norm, **agg
                     )
                 # The micro-batch's own loss, weighted by its own count: their mean is the mini-batch's loss.
-                local = _loss_count(mask, actor_cfg.loss_agg_mode)
+                local = pm.loss_count(mask, actor_cfg.loss_agg_mode).double()
                 acc.add("actor/pg_loss", loss.detach().double() * norm / local, local)
                 if actor_cfg.entropy_coef:
                     loss = loss - actor_cfg.entropy_coef * pm.aggregate_loss(entropy, mask, norm, **agg)
@@ -368,14 +368,6 @@ class CriticWorker(TrainableWorker):
         add_utilisation(self, acc, start, shard)
         self.add_step_stats(acc, start, shard)
         return UpdateResult(acc.result())
-
-
-def _loss_count(mask: torch.Tensor, agg_mode: str) -> torch.Tensor:
-    """`ppo_math.loss_normalizer(mask, agg_mode)` as a float64 0-dim tensor on the mask's device: the same
-    count, without reading it back to the host."""
-    m = mask.bool()
-    count = m.sum() if agg_mode == "token-mean" else m.any(-1).sum()
-    return count.clamp(min=1).to(torch.float64)
 
 
 def meter(worker) -> Utilisation:
