@@ -1,18 +1,21 @@
 """The CLI against a real Ray cluster on 127.0.0.1, with the real trainer on the built-in tiny model.
 
-One 2-node cluster for the whole module, started and stopped with `cloudrl local up/down` themselves
-(so those are under test too); teardown checks that every process `up` started is gone. Nothing here
-fakes Ray: the only fake is the version a proxy reports in the version-mismatch test.
+The 2-node cluster is the one the CLI tests share (tests/cli/conftest.py), started and stopped with
+`cloudrl local up/down` themselves (so those are under test too); its teardown checks that every process
+`up` started is gone. Nothing here fakes Ray: the only fake is the version a proxy reports in the
+version-mismatch test.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import queue
+import shlex
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,12 +25,8 @@ from cli_helpers import (
     CLOUDRL,
     INTERRUPTIBLE,
     SHORT_RUN,
-    cli_env,
+    LocalCluster,
     job_count,
-    local_auth,
-    local_state,
-    pids_alive,
-    process_tree,
     run_cli,
     send_sigint,
     ssh_user,
@@ -45,44 +44,8 @@ pytestmark = pytest.mark.ray
 runner = typer.testing.CliRunner()
 
 
-@dataclass
-class Cluster:
-    url: str
-    cache: Path
-    env: dict[str, str]
-    auth: dict[str, str]
-    """The Authorization header with the cluster's token: `local up` always turns token auth on."""
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    cache = tmp_path_factory.mktemp("cloudrl-cache")
-    env = cli_env(cache)
-    pids: list[int] = []
-    try:
-        up = run_cli(["local", "up", "--nodes", "2", "--timeout", "150"], env, timeout=200)
-        state = local_state(cache)
-        if state:
-            pids = [p for node in state["nodes"] for p in process_tree(node["pid"])]
-        assert up.returncode == 0, up.stdout + up.stderr
-        assert "local cluster up: 2 node(s)" in up.stdout
-        url = state["dashboard_url"]
-        assert url.startswith("http://127.0.0.1:")
-        yield Cluster(url, cache, env, local_auth(cache))
-        pids = sorted(set(pids) | {p for node in state["nodes"] for p in process_tree(node["pid"])})
-    finally:
-        down = run_cli(["local", "down"], env, timeout=120)
-        left = pids_alive(pids)
-        for pid in left:  # never leave a process behind, even when `down` is broken
-            subprocess.run(["kill", "-9", str(pid)], check=False)
-    assert down.returncode == 0, down.stderr
-    assert "stopped the local cluster (2 nodes" in down.stdout
-    assert left == [], f"`cloudrl local down` left processes running: {left}"
-    assert local_state(cache) is None
-
-
 @pytest.fixture(autouse=True)
-def cli_state(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+def cli_state(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process commands read the cluster's state (its token) where `local up` wrote it."""
     monkeypatch.setenv("CLOUDRL_CACHE", str(cluster.cache))
 
@@ -91,7 +54,7 @@ def invoke(args: list[str]) -> typer.testing.Result:
     return runner.invoke(app, args, catch_exceptions=False)
 
 
-def test_local_up_joined_two_nodes(cluster: Cluster) -> None:
+def test_local_up_joined_two_nodes(cluster: LocalCluster) -> None:
     nodes = requests.get(f"{cluster.url}/api/v0/nodes?detail=true", headers=cluster.auth, timeout=10).json()["data"][
         "result"
     ]["result"]
@@ -124,48 +87,109 @@ def test_default_cpus_per_node_splits_the_cores(
     assert local_cluster.default_cpus_per_node(nodes) == expected
 
 
-def test_submit_follow_status_logs_list(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CLOUDRL_TEST_TOKEN", "value-that-must-not-be-printed")
+def files_holding(root: Path, secrets: dict[str, bytes]) -> list[str]:
+    """'NAME in PATH' for every file under root whose bytes contain a secret's value."""
+    return [
+        f"{name} in {path}"
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+        for name, value in secrets.items()
+        if value in path.read_bytes()
+    ]
+
+
+def test_submit_follow_status_logs_list(cluster: LocalCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One short job of the real trainer, and everything asserted about submitting it and watching it.
+
+    `cloudrl submit --local --follow` reaches the running cluster through the state file; `status`, `logs`
+    and `list` follow with `--local` and with `--address`. Secrets passed with --env (WANDB_API_KEY and
+    HF_TOKEN made up for this run: wandb is not among the loggers, there is no network) reach the job's
+    environment and nothing else: not Ray's job table, no file of Ray's session logs, of the run directory
+    or of the CLI's cache, and no output of submit, status, logs or list.
+    """
+    secrets = {
+        "WANDB_API_KEY": f"wandb-{uuid.uuid4().hex}",
+        "HF_TOKEN": f"hf_{uuid.uuid4().hex}",
+        "CLOUDRL_TEST_TOKEN": "value-that-must-not-be-printed",
+    }
+    proof = tmp_path / "proof.json"
+    reward = tmp_path / "proof_reward.py"
+    # The reward runs in the job: it records digests (never the values) of what its environment holds.
+    reward.write_text(
+        "import hashlib, json, os\n"
+        "def score(completions, ground_truth, **kw):\n"
+        f"    names = {sorted(secrets)!r}\n"
+        "    digests = {n: hashlib.sha256(os.environ.get(n, '').encode()).hexdigest() for n in names}\n"
+        f"    open({str(proof)!r}, 'w').write(json.dumps(digests))\n"
+        "    return [0.0 for _ in completions]\n"
+    )
     run_dir = tmp_path / "run"
     job = "e2e-follow"
-    result = invoke(
-        [
-            "submit",
-            "--address",
-            cluster.url,
-            "--name",
-            job,
-            "--follow",
-            "--env",
-            "CLOUDRL_TEST_TOKEN",
-            *SHORT_RUN,
-            f"trainer.run_dir={run_dir}",
-        ]
+    overrides = [
+        *SHORT_RUN,
+        "trainer.save_every=1",
+        "trainer.loggers=[console,jsonl,tensorboard]",
+        f"reward.function={reward}:score",
+        f"trainer.run_dir={run_dir}",
+    ]
+    env = {**cluster.env, **secrets}
+    submitted = run_cli(
+        ["submit", "--local", "--follow", "--name", job, *[a for n in secrets for a in ("--env", n)], *overrides],
+        env,
+        timeout=400,
     )
-    out = result.output
-    assert result.exit_code == 0, out
+    out = submitted.stdout
+    assert submitted.returncode == 0, out + submitted.stderr
+    assert "starting one" not in out  # --local found the running cluster in the state file
     # `local up` ran on this machine, so its nodes got this machine's default (see the rule's own test).
     cpus = local_cluster.default_cpus_per_node(2)
     assert f"cluster ok: Ray 2.60.0, 2 nodes with no GPU, {cpus} CPUs" in out
     assert f"submitted {job} to {cluster.url}" in out
     assert f"dashboard:   {cluster.url}/#/jobs/{job}" in out
-    assert f"cloudrl logs {job} --follow --address {cluster.url}" in out
-    assert f"cloudrl stop {job} --address {cluster.url}" in out
+    assert f"cloudrl logs {job} --follow --local" in out
+    assert f"cloudrl stop {job} --local" in out
     assert "step 2/2" in out and "summary:" in out
     assert out.rstrip().endswith(f"job {job} SUCCEEDED")
-    assert "value-that-must-not-be-printed" not in out
-    assert (run_dir / "metrics.jsonl").exists()  # the real trainer ran and wrote its metrics
-    info = requests.get(f"{cluster.url}/api/jobs/{job}", headers=cluster.auth, timeout=5).json()
+    # The job's environment held each value.
+    assert json.loads(proof.read_text()) == {n: hashlib.sha256(v.encode()).hexdigest() for n, v in secrets.items()}
+    # The run wrote what there is to search: its config, placement, metrics, checkpoints and event files.
+    written = {p.relative_to(run_dir).parts[0] for p in run_dir.rglob("*") if p.is_file()}
+    assert {"config.yaml", "placement.json", "metrics.jsonl"} <= written, written
+    assert any(p.name.startswith("events.out.tfevents") for p in run_dir.rglob("*")), written
+    assert any("checkpoint" in part or part.startswith("step") for part in written), written
+
+    response = requests.get(f"{cluster.url}/api/jobs/{job}", headers=cluster.auth, timeout=5)
+    info = response.json()
     assert info["status"] == "SUCCEEDED"
     # --env values reach the job inside its package, never through Ray's runtime env (its job table).
     assert "CLOUDRL_TEST_TOKEN" not in info["runtime_env"]["env_vars"]
+    assert set(info["runtime_env"]["env_vars"]) == {"PYTHONUNBUFFERED"}
     assert "value-that-must-not-be-printed" not in json.dumps(info)
     assert info["entrypoint"].startswith("python3 -m cloudrl.trainer --preset local trainer.total_steps=2")
 
-    status = invoke(["status", job, "--address", cluster.url])
-    assert status.exit_code == 0, status.output
-    assert "status:    SUCCEEDED" in status.output
-    assert "latest:    step 2/2" in status.output and "rollout/reward_mean=" in status.output
+    values = {name: value.encode() for name, value in secrets.items()}
+    assert not any(v in response.content for v in values.values())
+    node_logs = sorted(Path(cluster.state["root"]).glob("n*/session_2*/logs"))
+    assert node_logs and any(node_logs[0].glob("runtime_env_agent*"))  # Ray's file of runtime envs is searched
+    assert [hit for logs_dir in node_logs for hit in files_holding(logs_dir, values)] == []
+    assert files_holding(run_dir, values) == []
+    assert files_holding(cluster.cache, values) == []  # the CLI's state and model cache
+
+    # `status` shows the last step from the end of the log, never downloading the whole log.
+    from ray.job_submission import JobSubmissionClient
+
+    def whole_log(*args: object, **kwargs: object) -> str:
+        raise AssertionError("status downloaded the whole log")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(JobSubmissionClient, "get_job_logs", whole_log)
+        status = invoke(["status", job, "--local"])
+        assert status.exit_code == 0, status.output
+        assert "status:    SUCCEEDED" in status.output and "latest:    step 2/2" in status.output
+        status = invoke(["status", job, "--address", cluster.url])
+        assert status.exit_code == 0, status.output
+        assert "status:    SUCCEEDED" in status.output
+        assert "latest:    step 2/2" in status.output and "rollout/reward_mean=" in status.output
 
     latest = invoke(["status", "--address", cluster.url])  # no JOB: the latest one
     assert f"job:       {job}" in latest.output
@@ -178,16 +202,27 @@ def test_submit_follow_status_logs_list(cluster: Cluster, tmp_path: Path, monkey
     header, *rows = listed.output.splitlines()
     assert header.split() == ["ID", "STATUS", "START", "DURATION", "PRESET"]
     row = next(r for r in rows if r.startswith(job))
-    assert "SUCCEEDED" in row and row.rstrip().endswith(
-        f"local trainer.total_steps=2 model.sft_warmup_steps=0 trainer.run_dir={run_dir}"
-    )
+    assert "SUCCEEDED" in row and row.rstrip().endswith(f"local {shlex.join(overrides)}")
+    assert "local trainer.total_steps=2 model.sft_warmup_steps=0 trainer.save_every=1" in row
 
-    # --local reaches the same cluster through the state file.
-    monkeypatch.setenv("CLOUDRL_CACHE", str(cluster.cache))
-    assert job in invoke(["list", "--local"]).output
+    # The same commands as a user runs them, with the secrets in their environment: nothing prints one.
+    outputs = {"submit": submitted}
+    for command in (["status", job], ["logs", job], ["list"]):
+        outputs[command[0]] = run_cli([*command, "--local"], env, timeout=60)
+        assert outputs[command[0]].returncode == 0, outputs[command[0]].stderr
+    assert "step 2/2" in outputs["logs"].stdout  # the logs searched are the job's whole output
+    assert job in outputs["list"].stdout  # --local reaches the same cluster through the state file
+    leaks = [
+        f"{name} in `cloudrl {command}` {stream}"
+        for command, result in outputs.items()
+        for stream in ("stdout", "stderr")
+        for name, value in secrets.items()
+        if value in getattr(result, stream)
+    ]
+    assert leaks == []
 
 
-def test_job_runs_the_shipped_trainer_copy(cluster: Cluster, tmp_path: Path) -> None:
+def test_job_runs_the_shipped_trainer_copy(cluster: LocalCluster, tmp_path: Path) -> None:
     """The cluster's Python could import the editable checkout; the job must use what submit ships."""
     from cloudrl.cli.ray_api import ClusterClient, resolve_address
 
@@ -212,7 +247,7 @@ def test_job_runs_the_shipped_trainer_copy(cluster: Cluster, tmp_path: Path) -> 
     assert "PRESET 1" in logs
 
 
-def test_ctrl_c_detaches_then_stop_reports_stopped(cluster: Cluster, tmp_path: Path) -> None:
+def test_ctrl_c_detaches_then_stop_reports_stopped(cluster: LocalCluster, tmp_path: Path) -> None:
     job = "e2e-stop"
     try:
         proc = subprocess.Popen(
@@ -267,7 +302,7 @@ def test_ctrl_c_detaches_then_stop_reports_stopped(cluster: Cluster, tmp_path: P
         invoke(["stop", job, "--address", cluster.url])  # "had already ended" when the test got that far
 
 
-def test_follow_of_a_failing_job_exits_1_with_the_trainers_error(cluster: Cluster, tmp_path: Path) -> None:
+def test_follow_of_a_failing_job_exits_1_with_the_trainers_error(cluster: LocalCluster, tmp_path: Path) -> None:
     job = "e2e-fails"
     result = runner.invoke(
         app,
@@ -283,6 +318,11 @@ def test_follow_of_a_failing_job_exits_1_with_the_trainers_error(cluster: Cluste
         ],
     )
     assert result.exit_code == 1
+    # Submitted with --address, the next steps name that address.
+    assert f"submitted {job} to {cluster.url}" in result.stdout
+    assert f"dashboard:   {cluster.url}/#/jobs/{job}" in result.stdout
+    assert f"cloudrl logs {job} --follow --address {cluster.url}" in result.stdout
+    assert f"cloudrl stop {job} --address {cluster.url}" in result.stdout
     assert result.stderr.startswith(
         f"error: job {job} FAILED: error: model.path=/nonexistent/model: the directory /nonexistent/model does not exist"
     )
@@ -297,7 +337,7 @@ def test_follow_of_a_failing_job_exits_1_with_the_trainers_error(cluster: Cluste
     assert followed.stderr.strip().splitlines()[-1] == result.stderr.strip().splitlines()[-1]
 
 
-def test_preflight_too_many_gpus_fails_before_upload(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preflight_too_many_gpus_fails_before_upload(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_upload(*args, **kwargs):
         raise AssertionError("staged the trainer for upload although the preflight should have failed")
 
@@ -311,7 +351,7 @@ def test_preflight_too_many_gpus_fails_before_upload(cluster: Cluster, monkeypat
     assert job_count(cluster.url, cluster.auth) == before
 
 
-def test_preflight_reports_ray_version_mismatch(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preflight_reports_ray_version_mismatch(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
     # The proxy is another address than the local cluster's: the CLI sends it RAY_AUTH_TOKEN, not its own.
@@ -326,10 +366,18 @@ def test_preflight_reports_ray_version_mismatch(cluster: Cluster, monkeypatch: p
     assert job_count(cluster.url, cluster.auth) == before
 
 
-def test_name_taken_fails_and_adds_no_job(cluster: Cluster) -> None:
-    job = "e2e-follow"  # created by the follow test; submit the same name again
-    if requests.get(f"{cluster.url}/api/jobs/{job}", headers=cluster.auth, timeout=5).status_code != 200:
-        invoke(["submit", "--address", cluster.url, "--name", job, *SHORT_RUN, "trainer.total_steps=1"])
+def finished_job(cluster: LocalCluster, prefix: str) -> str:
+    """A job of this test's own on the cluster (a shell `true`, no trainer), waited for until it succeeded."""
+    from cloudrl.cli.ray_api import ClusterClient, resolve_address
+
+    job = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    ClusterClient(resolve_address(cluster.url)).jobs.submit_job(entrypoint="true", submission_id=job)
+    assert wait_for_job_status(cluster.url, job, {"SUCCEEDED", "FAILED"}, 60, cluster.auth) == "SUCCEEDED"
+    return job
+
+
+def test_name_taken_fails_and_adds_no_job(cluster: LocalCluster) -> None:
+    job = finished_job(cluster, "name-taken")  # submit the same name again
     before = job_count(cluster.url, cluster.auth)
     result = runner.invoke(app, ["submit", "--address", cluster.url, "--name", job, *SHORT_RUN])
     assert result.exit_code == 1
@@ -337,15 +385,16 @@ def test_name_taken_fails_and_adds_no_job(cluster: Cluster) -> None:
     assert job_count(cluster.url, cluster.auth) == before
 
 
-def test_unknown_job_names_the_list_command(cluster: Cluster) -> None:
+def test_unknown_job_names_the_list_command(cluster: LocalCluster) -> None:
     result = runner.invoke(app, ["logs", "no-such-job", "--address", cluster.url])
     assert result.exit_code == 1
     assert f"no job 'no-such-job' on {cluster.url}: `cloudrl list --address {cluster.url}`" in result.stderr
 
 
 @pytest.mark.skipif(sshd_unavailable() is not None, reason=str(sshd_unavailable()))
-def test_dashboard_over_ssh(cluster: Cluster, tmp_path: Path) -> None:
+def test_dashboard_over_ssh(cluster: LocalCluster, tmp_path: Path) -> None:
     remote_port = cluster.url.rsplit(":", 1)[1]
+    job = finished_job(cluster, "over-ssh")  # what `list` through the forward must show
     with sshd(tmp_path) as (_, options):
         # No terminal and no key: ssh must fail at once instead of waiting on a password prompt.
         no_key = [o for o in options if not o.startswith(("IdentityFile", "IdentitiesOnly"))]
@@ -400,7 +449,7 @@ def test_dashboard_over_ssh(cluster: Cluster, tmp_path: Path) -> None:
                 == requests.get(f"{cluster.url}/api/version", headers=cluster.auth, timeout=5).json()["session_name"]
             )
             listed = run_cli(["list", "--address", url], {**cluster.env, "RAY_AUTH_TOKEN": token}, timeout=60)
-            assert listed.returncode == 0 and "e2e-follow" in listed.stdout
+            assert listed.returncode == 0 and job in listed.stdout
             send_sigint(proc)
             assert proc.wait(15) == 0
         with pytest.raises(requests.exceptions.ConnectionError):

@@ -1,8 +1,8 @@
 """A submit whose connection breaks after the job request reached the cluster.
 
 The job exists on the cluster although the client never saw its id come back: `submit` must find it
-and remove it before saying "no job was left behind", or say that it could not confirm. A real
-one-node Ray cluster sits behind a small proxy that forwards everything, except that it drops the
+and remove it before saying "no job was left behind", or say that it could not confirm. The real
+local cluster the CLI tests share (tests/cli/conftest.py) sits behind a small proxy that forwards everything, except that it drops the
 connection in place of the job-creation reply (and, for the second test, refuses everything after).
 """
 
@@ -10,25 +10,26 @@ from __future__ import annotations
 
 import contextlib
 import http.server
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
 import typer.testing
-from cli_helpers import SHORT_RUN, serve
+from cli_helpers import SHORT_RUN, LocalCluster, serve
 from cloudrl.cli.app import app
-from runs import local_cluster
 
 pytestmark = pytest.mark.ray
 runner = typer.testing.CliRunner()
 
 
-@pytest.fixture(scope="module")
-def cluster_url() -> Iterator[str]:
-    with local_cluster(nodes=1, cpus_per_node=4, gpus_per_node=0) as state:
-        yield state["dashboard_url"]
+@pytest.fixture
+def cluster_url(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The cluster's own URL. In-process commands find its token in its state (CLOUDRL_CACHE), and send
+    RAY_AUTH_TOKEN to the proxy, another address than the cluster's."""
+    monkeypatch.setenv("CLOUDRL_CACHE", str(cluster.cache))
+    monkeypatch.setenv("RAY_AUTH_TOKEN", cluster.token)
+    return cluster.url
 
 
 @contextlib.contextmanager
@@ -63,17 +64,16 @@ def reply_dropping_proxy(upstream: str, refuse_after: bool) -> Iterator[tuple[st
         yield url, seen
 
 
-def auth() -> dict[str, str]:
-    """The cluster's token as a header (in the environment while `local_cluster` runs)."""
-    token = os.environ.get("RAY_AUTH_TOKEN")
-    return {"Authorization": f"Bearer {token}"} if token else {}
+def job_ids(cluster: LocalCluster) -> list[str]:
+    return [
+        job["submission_id"]
+        for job in requests.get(f"{cluster.url}/api/jobs/", headers=cluster.auth, timeout=10).json()
+    ]
 
 
-def job_ids(url: str) -> list[str]:
-    return [job["submission_id"] for job in requests.get(f"{url}/api/jobs/", headers=auth(), timeout=10).json()]
-
-
-def test_job_created_before_the_connection_broke_is_removed(cluster_url: str, tmp_path: Path) -> None:
+def test_job_created_before_the_connection_broke_is_removed(
+    cluster: LocalCluster, cluster_url: str, tmp_path: Path
+) -> None:
     job = "dropped-reply"
     with reply_dropping_proxy(cluster_url, refuse_after=False) as (proxy, seen):
         result = runner.invoke(
@@ -85,13 +85,15 @@ def test_job_created_before_the_connection_broke_is_removed(cluster_url: str, tm
         f"error: submitting to {proxy} failed (ConnectionError); no job was left behind: check the connection "
         f"and submit again"
     ]
-    assert job not in job_ids(cluster_url)
-    assert requests.get(f"{cluster_url}/api/jobs/{job}", headers=auth(), timeout=10).status_code == 404
+    assert job not in job_ids(cluster)
+    assert requests.get(f"{cluster_url}/api/jobs/{job}", headers=cluster.auth, timeout=10).status_code == 404
     listed = runner.invoke(app, ["list", "--address", cluster_url])
     assert listed.exit_code == 0 and job not in listed.output
 
 
-def test_unreachable_cluster_after_the_drop_is_not_called_clean(cluster_url: str, tmp_path: Path) -> None:
+def test_unreachable_cluster_after_the_drop_is_not_called_clean(
+    cluster: LocalCluster, cluster_url: str, tmp_path: Path
+) -> None:
     job = "dropped-then-gone"
     try:
         with reply_dropping_proxy(cluster_url, refuse_after=True) as (proxy, seen):
@@ -104,6 +106,6 @@ def test_unreachable_cluster_after_the_drop_is_not_called_clean(cluster_url: str
             f"error: submitting to {proxy} failed (ConnectionError), and whether job '{job}' was created could not "
             f"be confirmed: run `cloudrl list --address {proxy}` and `cloudrl stop {job} --address {proxy}`"
         ]
-        assert job in job_ids(cluster_url)  # the line was right not to promise anything
+        assert job in job_ids(cluster)  # the line was right not to promise anything
     finally:  # the job this test left on purpose must not run on under later tests
         runner.invoke(app, ["stop", job, "--address", cluster_url])

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
@@ -115,23 +116,22 @@ def stop_on_exit(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
                 proc.wait(10)
 
 
-@contextlib.contextmanager
-def cli_cluster(cache: Path, nodes: int) -> Iterator[tuple[dict[str, str], subprocess.CompletedProcess]]:
-    """`cloudrl local up --nodes N` with its own state dir; yields the CLI's env and the `up` result.
-    Always `local down` afterwards, then kills by PID whatever `down` left."""
-    env = cli_env(cache)
-    pids: list[int] = []
-    try:
-        up = run_cli(["local", "up", "--nodes", str(nodes), "--timeout", "150"], env, timeout=200)
-        state = local_state(cache)
-        if state:
-            pids = [p for node in state["nodes"] for p in process_tree(node["pid"])]
-        assert up.returncode == 0, up.stdout + up.stderr
-        yield env, up
-    finally:
-        run_cli(["local", "down"], env, timeout=120)
-        for pid in pids_alive(pids):  # never leave a process behind, even when `down` is broken
-            subprocess.run(["kill", "-9", str(pid)], check=False)
+@dataclass
+class LocalCluster:
+    """A running `cloudrl local` cluster, as the CLI tests use it (tests/cli/conftest.py starts it)."""
+
+    url: str
+    cache: Path
+    """Its CLOUDRL_CACHE: the state file, the token file and the CLI's model cache."""
+    env: dict[str, str]
+    """The environment of `cloudrl` subprocesses that reach it (`--local` reads the state in `cache`)."""
+    state: dict
+    """`local-cluster.json` as `up` wrote it."""
+    token: str
+    auth: dict[str, str]
+    """The Authorization header with its token: `local up` always turns token auth on."""
+    pids: list[int] = field(default_factory=list)
+    """The processes of its nodes when `up` returned."""
 
 
 # ----------------------------------------------------------------------------------------------
