@@ -1,14 +1,22 @@
-"""Helpers for tests that run the trainer: short runs of the local preset, a local cluster, its metrics."""
+"""Helpers for tests that run the trainer: short runs of the local preset (and one tiny straight run that several
+tests share, `tiny_straight_run`), a local cluster, its metrics.
+
+PYTEST_DONT_REWRITE: the test modules that use `tiny_straight_run` import this module first and then list it
+in `pytest_plugins`; like every helper, its asserts stay plain Python asserts."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -154,3 +162,64 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, log: Path, step: int = 
     done = max(logged_steps(run_dir), default=0)
     assert done >= step, f"no step {step} in time; driver log:\n{log.read_text()[-3000:]}"
     return done
+
+
+# ---- One tiny straight run that several tests share. -----------------------------------------------------
+# Kill-and-resume's uninterrupted run (tests/loop/test_trainer.py), policy lag's in-turn run
+# (tests/rollout/test_policy_lag.py) and eval-only's trained checkpoint (tests/loop/test_eval_only.py) are
+# the same run: 4 steps of tiny_overrides, a checkpoint after each, validation on two named sets (the same
+# 3 prompts) with 4 samples each. None of them tests the reward workers, so the driver scores the rewards
+# (reward.in_driver: the same scoring code, one actor fewer to start).
+TINY_STRAIGHT_STEPS = 4
+TINY_STRAIGHT = {
+    "trainer.total_steps": TINY_STRAIGHT_STEPS,
+    "trainer.save_every": 1,
+    "trainer.keep_last": 10,
+    "rollout.logprob_correction": "true",
+    "trainer.val_n": 4,
+    "trainer.val_temperature": 0.7,
+    "reward.function": "arithmetic",
+    "reward.in_driver": "true",
+}
+
+
+def write_val_set(path: Path) -> Path:
+    """A validation file of 3 prompts (a+a= for a in 0..2); returns `path`."""
+    path.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(3)))
+    return path
+
+
+def tiny_straight_overrides(run_dir: Path, val: Path, **extra) -> list[str]:
+    """The shared tiny straight run's overrides (validation sets read from `val`), `extra` on top."""
+    return tiny_overrides(run_dir, **{**TINY_STRAIGHT, "data.val_sets": f"{{small: {val}, again: {val}}}", **extra})
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyStraightRun:
+    run_dir: Path
+    """The finished run: read it, or copy it (`copy`) before writing into it."""
+    val: Path
+    """Its validation file, for runs that must have its config."""
+
+    def overrides(self, run_dir: Path, **extra) -> list[str]:
+        """This run's overrides with another run_dir (and `extra`): a run that must match it."""
+        return tiny_straight_overrides(run_dir, self.val, **extra)
+
+    def copy(self, dest: Path) -> Path:
+        """A copy of the run directory at `dest`, for a test that writes into it."""
+        shutil.copytree(self.run_dir, dest, symlinks=True)
+        return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_straight_run(ray_local, tmp_path_factory) -> TinyStraightRun:
+    """The tiny straight run above, trained once per test session on `ray_local` (in this process). Test
+    modules that use it list this module in `pytest_plugins`, so that all of them share the one run."""
+    from cloudrl.trainer.config import load_config
+    from cloudrl.trainer.driver import train
+
+    root = tmp_path_factory.mktemp("tiny-straight")
+    val = write_val_set(root / "val.jsonl")
+    run_dir = root / "run"
+    train(load_config("local", tiny_straight_overrides(run_dir, val)))
+    return TinyStraightRun(run_dir, val)

@@ -10,7 +10,10 @@ import pytest
 from cloudrl.trainer.config import describe_keys, load_config
 from cloudrl.trainer.driver import train
 from cloudrl.trainer.metrics import format_eval_table
-from runs import metric_rows, tiny_overrides
+from runs import TINY_STRAIGHT_STEPS, metric_rows
+
+# The shared tiny straight run (`tiny_straight_run`), one per test session for every module that uses it.
+pytest_plugins = ["runs"]
 
 
 def test_eval_table_has_a_row_per_set_and_a_column_per_statistic() -> None:
@@ -42,27 +45,21 @@ def test_help_config_names_each_numeric_keys_range() -> None:
 
 
 @pytest.mark.ray
-def test_eval_only_scores_the_model_then_the_latest_checkpoint(ray_local, tmp_path) -> None:
-    val = tmp_path / "val.jsonl"
-    val.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(3)))
-    sets = f"{{small: {val}, again: {val}}}"
-    common = {
-        "trainer.val_n": 4,
-        "trainer.val_temperature": 0.7,
-        "data.val_sets": sets,
-        "reward.function": "arithmetic",
-    }
-    run_dir = tmp_path / "run"
-
-    plain = train(load_config("local", tiny_overrides(run_dir, **common, **{"trainer.eval_only": "true"})))
+def test_eval_only_scores_the_model_then_the_latest_checkpoint(ray_local, tiny_straight_run, tmp_path) -> None:
+    """The trained run is the shared tiny straight run (4 steps, a checkpoint after each, validation on the
+    sets `small` and `again`, the same 3 prompts, with trainer.val_n=4 and val_temperature=0.7)."""
+    eval_only = {"trainer.eval_only": "true"}
+    fresh = tmp_path / "fresh"
+    plain = train(load_config("local", tiny_straight_run.overrides(fresh, **eval_only)))
     assert plain["model"] == "builtin:tiny" and plain["step"] == 0
-    assert not (run_dir / "config.yaml").exists() and not (run_dir / "checkpoints").exists()
+    assert not (fresh / "config.yaml").exists() and not (fresh / "checkpoints").exists()
 
-    train(load_config("local", tiny_overrides(run_dir, **common, **{"trainer.total_steps": 1})))
+    run_dir = tiny_straight_run.copy(tmp_path / "run")
     trained_rows = metric_rows(run_dir)
     config_before = (run_dir / "config.yaml").read_text()
-    result = train(load_config("local", tiny_overrides(run_dir, **common, **{"trainer.eval_only": "true"})))
-    assert result["step"] == 1 and result["model"].endswith("step_000001")
+    result = train(load_config("local", tiny_straight_run.overrides(run_dir, **eval_only)))
+    assert result["step"] == TINY_STRAIGHT_STEPS and result["model"].endswith(f"step_{TINY_STRAIGHT_STEPS:06d}")
+    assert result["model"].startswith(str(run_dir))  # the copy's checkpoint, not the shared run's
     m = result["metrics"]
     for prefix in ("val/", "val/small/", "val/again/"):  # the built-in set, then the named ones
         for stat in ("reward_mean", "mean@4", "pass@1", "pass@2", "pass@4", "response_length_p90", "truncated"):

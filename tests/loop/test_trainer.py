@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -9,14 +10,18 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from cloudrl.trainer.config import ALGORITHMS, load_config
+from cloudrl.trainer.config import ALGORITHMS, Config, load_config
 from cloudrl.trainer.driver import train
 from cloudrl.trainer.inputs.models import load_causal_lm, resolve_path
 from cloudrl.trainer.state import checkpoint
-from runs import REPO, REWARD_RISES, first_and_last_means, metric_rows, run_trainer, tiny_overrides
+from runs import REPO, REWARD_RISES, TINY_STRAIGHT_STEPS, first_and_last_means, metric_rows, run_trainer
+
+# The shared tiny straight run (`tiny_straight_run`), one per test session for every module that uses it.
+pytest_plugins = ["runs"]
 
 pytestmark = pytest.mark.ray
 
@@ -25,62 +30,67 @@ def _initial_policy(cfg):
     return load_causal_lm(resolve_path(cfg.model.path, cfg))
 
 
-def test_exported_model_loads_with_plain_transformers(ray_local, tmp_path):
-    cfg = load_config("local", tiny_overrides(tmp_path, **{"trainer.total_steps": 1}))
-    summary = train(cfg)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(summary["exported_model"])
-    tok = AutoTokenizer.from_pretrained(summary["exported_model"])
-    ids = tok("2+2=", return_tensors="pt").input_ids
-    out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
-    assert out.shape[1] > ids.shape[1]
-    assert (tmp_path / "summary.json").exists() and (tmp_path / "config.yaml").exists()
-    # Each trained role's step row: its peak memory (on CPU the processes' peak RSS, labelled so) and speed.
-    [row] = [r for r in metric_rows(tmp_path) if r["step"] == 1]
-    for role in ("actor", "critic"):
-        assert 0.01 < row[f"memory/{role}_peak_rss_gib"] < 64 and row[f"perf/{role}_tokens_per_s_per_worker"] > 0
-        assert f"memory/{role}_peak_allocated_gib" not in row
-
-    # The export holds the final policy: every tensor in the file equals the last checkpoint's actor
-    # weights (cast to the exported dtype), and that policy is not the one the run started from.
-    from safetensors.torch import load_file
-
-    final = checkpoint.load(checkpoint.latest(tmp_path), ["actor"])
-    assert final.state["step"] == 1
-    actor = checkpoint.read_full(final.path, "actor")["model"]
-    exported = load_file(os.path.join(summary["exported_model"], "model.safetensors"))
-    assert sorted(exported) == sorted(actor)  # the tiny model unties its embeddings: nothing is left out
-    for name, tensor in exported.items():
-        torch.testing.assert_close(tensor, actor[name].to(tensor.dtype), rtol=0, atol=0, msg=name)
-    start = _initial_policy(cfg).state_dict()
-    assert any(not torch.equal(actor[name], start[name]) for name in actor)
-
-
 # The easy task (operands 0..2: 9 prompts, 5 possible answers) in 20 short steps of 16 prompts x 8
 # samples, each step with four actor (and critic) updates. Each algorithm runs on the local preset with
-# nothing but its name changed, so with its own KL defaults (grpo and reinforce_pp_baseline: KL in the loss,
-# k3; the others: in the reward, k1). Mean rollout reward, first 5 steps -> last 5, measured on CPU:
-# ppo 0.23 -> 0.31, reinforce_pp 0.23 -> 0.32, rloo 0.22 -> 0.34, reinforce_pp_baseline 0.20 -> 0.33,
-# grpo 0.21 -> 0.29 (with KL in the reward,
-# which GRPO's std scaling turns into noise, 0.22 -> 0.24: refused now); with the advantages negated the
-# reward falls instead.
+# nothing but its name changed (ppo: and packing, below), so with its own KL defaults (grpo and
+# reinforce_pp_baseline: KL in the loss, k3; the others: in the reward, k1). Mean rollout reward, first 5
+# steps -> last 5, measured on CPU: ppo 0.23 -> 0.31 (packed, as below: 0.23 -> 0.30), reinforce_pp
+# 0.23 -> 0.32, rloo 0.22 -> 0.34, reinforce_pp_baseline 0.20 -> 0.33, grpo 0.21 -> 0.29 (with KL in the
+# reward, which GRPO's std scaling turns into noise, 0.22 -> 0.24: refused now); with the advantages negated
+# the reward falls instead.
+# Besides its name, ppo's run packs its sequences (model.pack_sequences) into token-budget micro-batches for
+# the actor and the critic (roles/packing.py: the same losses and gradients as padded, tests/roles/
+# test_packing.py), so the one run also shows a packed run with a critic learning; its export is checked by
+# test_exported_model_loads_with_plain_transformers.
+PACKED = {
+    "model.pack_sequences": "true",
+    "actor.max_tokens_per_micro_batch": 160,  # about 16 of the task's sequences (prompt and answer)
+    "critic.max_tokens_per_micro_batch": 160,
+}
+EXTRA = {"ppo": PACKED}
+
+
+@dataclasses.dataclass(frozen=True)
+class LearningRun:
+    cfg: Config
+    summary: dict
+    run_dir: Path
+
+
+@pytest.fixture(scope="module")
+def learning_run(ray_local, tmp_path_factory):
+    """algorithm -> its learning run (the easy task, 20 steps, a checkpoint and the export at the end), trained
+    the first time a test asks for it and shared by this module's tests."""
+    runs: dict[str, LearningRun] = {}
+
+    def run(algorithm: str) -> LearningRun:
+        if algorithm not in runs:
+            run_dir = tmp_path_factory.mktemp(f"learns-{algorithm}")
+            overrides = {
+                **REWARD_RISES,
+                **EXTRA.get(algorithm, {}),
+                "algorithm.name": algorithm,
+                "trainer.run_dir": run_dir,
+                "trainer.save_every": REWARD_RISES["trainer.total_steps"],
+            }
+            cfg = load_config("local", [f"{k}={v}" for k, v in overrides.items()])
+            runs[algorithm] = LearningRun(cfg, train(cfg), run_dir)
+        return runs[algorithm]
+
+    return run
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_each_algorithm_trains_every_parameter_and_raises_the_reward(ray_local, tmp_path, algorithm):
+def test_each_algorithm_trains_every_parameter_and_raises_the_reward(learning_run, algorithm):
     """Every step's losses are finite, every parameter of the policy (and with PPO of the critic) moves,
     and the reward rises: a sign error or a swapped estimator still changes every parameter."""
-    overrides = {
-        **REWARD_RISES,
-        "algorithm.name": algorithm,
-        "trainer.run_dir": tmp_path,
-        "trainer.save_every": REWARD_RISES["trainer.total_steps"],
-    }
-    cfg = load_config("local", [f"{k}={v}" for k, v in overrides.items()])
-    summary = train(cfg)
+    run = learning_run(algorithm)
+    cfg, summary, run_dir = run.cfg, run.summary, run.run_dir
+    if algorithm in EXTRA:  # the run is the one it claims to be
+        assert cfg.model.pack_sequences and cfg.actor.max_tokens_per_micro_batch == 160
+        assert cfg.critic.max_tokens_per_micro_batch == 160
 
-    steps = [r for r in metric_rows(tmp_path) if r["step"] > 0]
+    steps = [r for r in metric_rows(run_dir) if r["step"] > 0]
     assert [r["step"] for r in steps] == list(range(1, REWARD_RISES["trainer.total_steps"] + 1))
     keys = ["rollout/reward_mean", "actor/pg_loss", "actor/entropy", "timing/step", "timing/sync"]
     keys += ["critic/vf_loss"] if algorithm == "ppo" else []
@@ -93,13 +103,50 @@ def test_each_algorithm_trains_every_parameter_and_raises_the_reward(ray_local, 
     if algorithm == "ppo":  # the critic trained as well
         from cloudrl.trainer.inputs.models import load_value_model
 
-        critic = checkpoint.read_full(checkpoint.latest(tmp_path), "critic")["model"]
+        critic = checkpoint.read_full(checkpoint.latest(run_dir), "critic")["model"]
         fresh = dict(load_value_model(resolve_path(cfg.model.path, cfg)).named_parameters())
         assert not [n for n, p in fresh.items() if torch.equal(critic[n], p)]
 
     rewards = [r["rollout/reward_mean"] for r in steps]
     first, last = first_and_last_means(rewards)
     assert last > first + 0.04, (algorithm, first, last, rewards)
+
+
+def test_exported_model_loads_with_plain_transformers(learning_run):
+    """PPO's learning run (above) ends with its export: plain transformers loads and generates with it, and it
+    holds exactly the last checkpoint's policy."""
+    run = learning_run("ppo")
+    cfg, summary, run_dir = run.cfg, run.summary, run.run_dir
+    total = REWARD_RISES["trainer.total_steps"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(summary["exported_model"])
+    tok = AutoTokenizer.from_pretrained(summary["exported_model"])
+    ids = tok("2+2=", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > ids.shape[1]
+    assert (run_dir / "summary.json").exists() and (run_dir / "config.yaml").exists()
+    # Each trained role's step row: its peak memory (on CPU the processes' peak RSS, labelled so) and speed.
+    rows = [r for r in metric_rows(run_dir) if r["step"] > 0]
+    assert [r["step"] for r in rows] == list(range(1, total + 1))
+    for row in rows:
+        for role in ("actor", "critic"):
+            assert 0.01 < row[f"memory/{role}_peak_rss_gib"] < 64 and row[f"perf/{role}_tokens_per_s_per_worker"] > 0
+            assert f"memory/{role}_peak_allocated_gib" not in row
+
+    # The export holds the final policy: every tensor in the file equals the last checkpoint's actor
+    # weights (cast to the exported dtype), and that policy is not the one the run started from.
+    from safetensors.torch import load_file
+
+    final = checkpoint.load(checkpoint.latest(run_dir), ["actor"])
+    assert final.state["step"] == total
+    actor = checkpoint.read_full(final.path, "actor")["model"]
+    exported = load_file(os.path.join(summary["exported_model"], "model.safetensors"))
+    assert sorted(exported) == sorted(actor)  # the tiny model unties its embeddings: nothing is left out
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, actor[name].to(tensor.dtype), rtol=0, atol=0, msg=name)
+    start = _initial_policy(cfg).state_dict()
+    assert any(not torch.equal(actor[name], start[name]) for name in actor)
 
 
 def test_gspo_preset_raises_the_reward(ray_local, tmp_path):
@@ -122,13 +169,11 @@ def _final_actor(run_dir, step) -> dict:
     return checkpoint.read_full(run_dir / "checkpoints" / f"step_{step:06d}", "actor")
 
 
-def test_kill_and_resume_matches_uninterrupted_run(ray_local, tmp_path):
+def test_kill_and_resume_matches_uninterrupted_run(ray_local, tiny_straight_run, tmp_path):
     """A driver killed with SIGKILL after its first checkpoint resumes and ends where an
-    uninterrupted run ends: same parameters, optimizer state and metrics."""
-    steps = 4
-    common = {"trainer.total_steps": steps, "trainer.save_every": 1, "trainer.keep_last": 10}
-    straight = tmp_path / "straight"
-    train(load_config("local", tiny_overrides(straight, **common)))
+    uninterrupted run (the shared tiny straight run) ends: same parameters, optimizer state and metrics."""
+    steps = TINY_STRAIGHT_STEPS
+    straight = tiny_straight_run.run_dir
 
     crashed = tmp_path / "crashed"
     env = {"RAY_ADDRESS": ray_local, "PYTHONUNBUFFERED": "1"}
@@ -138,7 +183,7 @@ def test_kill_and_resume_matches_uninterrupted_run(ray_local, tmp_path):
         "cloudrl.trainer",
         "--preset",
         "local",
-        *tiny_overrides(crashed, **{**common, "trainer.total_steps": 50}),
+        *tiny_straight_run.overrides(crashed, **{"trainer.total_steps": 50}),
     ]
     log = tmp_path / "crashed.log"
     with open(log, "w") as out:
@@ -158,8 +203,16 @@ def test_kill_and_resume_matches_uninterrupted_run(ray_local, tmp_path):
     killed_at = int(checkpoint.latest(str(crashed)).name.split("_")[1])
     assert killed_at < steps, "the run got too far before the kill to test a resume"
 
-    resumed = train(load_config("local", tiny_overrides(crashed, **common)))
+    resumed = train(load_config("local", tiny_straight_run.overrides(crashed)))
     assert resumed["resumed_from"] == killed_at
+    # The driver's RNG states come back from the checkpoint (rng.json): nothing in a step draws from them, so
+    # every checkpoint of the resumed driver holds the states the killed driver saved, not this process's.
+    rng = [
+        (checkpoint.checkpoint_root(str(crashed)) / f"step_{s:06d}" / checkpoint.RNG).read_text()
+        for s in range(killed_at, steps + 1)
+    ]
+    assert rng[1:] == rng[:1] * (steps - killed_at)
+    assert rng[0] != (checkpoint.checkpoint_root(str(straight)) / "step_000001" / checkpoint.RNG).read_text()
     a, b = _final_actor(straight, steps), _final_actor(crashed, steps)
     for name, tensor in a["model"].items():
         torch.testing.assert_close(b["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)

@@ -7,7 +7,10 @@ import json
 import pytest
 from cloudrl.trainer.config import ConfigError, load_config
 from cloudrl.trainer.driver import train
-from runs import REWARD_RISES, first_and_last_means, tiny_overrides
+from runs import REWARD_RISES, TINY_STRAIGHT_STEPS, first_and_last_means, tiny_overrides
+
+# The shared tiny straight run (`tiny_straight_run`), one per test session for every module that uses it.
+pytest_plugins = ["runs"]
 
 
 def _rows(run_dir) -> dict[int, dict]:
@@ -58,14 +61,15 @@ def test_lagging_run_learns(ray_local, tmp_path):
 
 
 @pytest.mark.ray
-def test_without_lag_the_queue_changes_nothing(ray_local, tmp_path):
+def test_without_lag_the_queue_changes_nothing(ray_local, tiny_straight_run, tmp_path):
     """policy_lag=1 with a checkpoint after every step never has a batch in flight: it must equal the
-    run that generates in turn with the same importance weighting, metric for metric."""
-    common = {"trainer.total_steps": 3, "trainer.save_every": 1, "rollout.logprob_correction": "true"}
-    train(load_config("local", tiny_overrides(tmp_path / "in-turn", **common)))
-    train(load_config("local", tiny_overrides(tmp_path / "queued", **common, **{"rollout.policy_lag": 1})))
-    a, b = _rows(tmp_path / "in-turn"), _rows(tmp_path / "queued")
-    for step in (1, 2, 3):
+    run that generates in turn (the shared tiny straight run: the same importance weighting, a checkpoint
+    after every step), metric for metric."""
+    queued = tmp_path / "queued"
+    train(load_config("local", tiny_straight_run.overrides(queued, **{"rollout.policy_lag": 1})))
+    a, b = _rows(tiny_straight_run.run_dir), _rows(queued)
+    assert sorted(a) == sorted(b) == list(range(1, TINY_STRAIGHT_STEPS + 1))
+    for step in sorted(a):
         assert b[step]["rollout/policy_lag"] == 0
         for key in ("rollout/reward_mean", "rollout/response_length", "actor/pg_loss", "critic/vf_loss"):
             assert a[step][key] == b[step][key], (step, key)
@@ -75,7 +79,8 @@ def test_without_lag_the_queue_changes_nothing(ray_local, tmp_path):
 def test_resumed_lagging_run_matches_the_uninterrupted_one(ray_local, tmp_path):
     """The step after a checkpoint starts from the saved weights, in the straight run as in the
     resumed one: steps 3 and 4 (4 sampled while 3 trained) come out the same."""
-    common = {"trainer.save_every": 2, "trainer.keep_last": 5, "rollout.policy_lag": 1}
+    # No reward workers (reward.in_driver): the rewards are scored by the same code in the driver.
+    common = {"trainer.save_every": 2, "trainer.keep_last": 5, "rollout.policy_lag": 1, "reward.in_driver": "true"}
     train(load_config("local", tiny_overrides(tmp_path / "straight", **common, **{"trainer.total_steps": 4})))
     train(load_config("local", tiny_overrides(tmp_path / "resumed", **common, **{"trainer.total_steps": 2})))
     summary = train(
