@@ -47,3 +47,24 @@ def ray_local(private_cache):
             os.environ.pop("RAY_AUTH_MODE", None)
         else:
             os.environ["RAY_AUTH_MODE"] = saved
+
+
+# Where the time went: pyproject.toml's addopts print the 40 slowest test phases; this adds the total per test
+# folder (setup, call and teardown, module fixtures included), so every CI log says which wing costs what.
+_FOLDER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    folder = report.nodeid.split("::", 1)[0].rsplit("/", 1)[0]
+    _FOLDER_SECONDS[folder] = _FOLDER_SECONDS.get(folder, 0.0) + report.duration
+
+
+@pytest.hookimpl(trylast=True)  # after the slowest durations, so a CI log ends with the folders
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _FOLDER_SECONDS:
+        return
+    terminalreporter.section("seconds per test folder")
+    total = sum(_FOLDER_SECONDS.values())
+    for folder, seconds in sorted(_FOLDER_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {100 * seconds / total:5.1f}%  {folder}")
+    terminalreporter.write_line(f"{total:8.1f} s  total")

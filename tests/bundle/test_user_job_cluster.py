@@ -73,6 +73,7 @@ def test_readme_walk_runs_the_users_reward_and_data_on_both_nodes(cluster, user_
     assert dry.returncode == 0, dry.stdout + dry.stderr
     listing = dry.stdout.split("# files shipped as the job's working directory\n")[1].split("# job request")[0]
     assert [line.split()[-1] for line in listing.strip().splitlines()[:-1]] == ["my_reward.py", "train.jsonl"]
+    assert " zipped (limit " in listing.strip().splitlines()[-1], listing
 
     run = cloudrl(cluster, user_dir, "submit", "--preset", "my-job.yaml", "--follow")
     log = run.stdout + run.stderr
@@ -88,8 +89,8 @@ def test_readme_walk_runs_the_users_reward_and_data_on_both_nodes(cluster, user_
     rewards = step_means(log, "rollout/reward_mean")
     assert len(rewards) == 4
     # `closeness` gives partial credit (0.1 steps); the built-in rewards give 0 or 1 per sample, so a
-    # mean over a step's 64 samples would be a multiple of 1/64.
-    assert any(abs(r * 64 - round(r * 64)) > 1e-3 for r in rewards), rewards
+    # mean over a step's 256 samples (my-job.yaml keeps its base's 32 prompts x 8) would be a multiple of 1/256.
+    assert any(abs(r * 256 - round(r * 256)) > 1e-3 for r in rewards), rewards
     # The run's relative run_dir landed on the head's volume, not in the job's temporary working dir.
     volume = cluster.node_path(0, cluster.volume) if cluster.kind == "netns" else Path(cluster.volume)
     metrics = volume / "runs" / "my-job" / "metrics.jsonl"  # its own run directory (my-job.yaml)

@@ -40,6 +40,9 @@ def test_actor_ranks_run_on_different_nodes(two_nodes, tmp_path):
     placement = json.loads((tmp_path / "placement.json").read_text())
     actor_nodes = [w["node_id"] for w in sorted(placement["actor"], key=lambda w: w["rank"])]
     assert len(set(actor_nodes)) == 2, placement
+    # The job log names both nodes (docs/multinode.md's walk looks for this line).
+    line = next(x for x in result.stdout.splitlines() if x.startswith("placement: actor: 2 worker(s) on node(s) "))
+    assert len(line.split("on node(s) ", 1)[1].split(", ")) == 2, line
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]
     assert "summary:" in result.stdout
