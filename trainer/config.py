@@ -25,8 +25,8 @@ from .presets import (
     apply_mapping,
     available_presets,  # noqa: F401
     parse_override,
+    preset_layers,
     preset_path,
-    read_preset,
     set_key,
 )
 
@@ -489,7 +489,8 @@ def load_config(preset: str = "local", overrides: list[str] | tuple[str, ...] = 
     """Build a checked Config from a preset and `section.key=value` overrides."""
     path = preset_path(preset)
     cfg = Config()
-    apply_mapping(cfg, read_preset(path), source=str(path))
+    for mapping, source in preset_layers(path):  # `base: local` first, then the file's own keys
+        apply_mapping(cfg, mapping, source=source)
     for item in overrides:
         key, value = parse_override(item)
         set_key(cfg, key, value, source="command line")

@@ -526,6 +526,28 @@ def gpu_dtype_warning(cfg: Any) -> str:
     )
 
 
+TINY_MODEL_LR = 1e-4
+"""Below this actor.lr the built-in tiny models (0.5M parameters; the local preset trains at 2e-3) barely move
+in a run of hundreds of steps."""
+
+
+def tiny_model_lr_warning(cfg: Any) -> str:
+    """A line for the start of a run that trains a built-in tiny model at a learning rate meant for billions of
+    parameters (the code's default 1e-6: a preset file of one's own that starts from the defaults), else ""."""
+    if not str(cfg.model.path).startswith("builtin:") or cfg.actor.lr >= TINY_MODEL_LR:
+        return ""
+    return (
+        f"warning: actor.lr={cfg.actor.lr:g} barely moves the built-in model {cfg.model.path} (the local preset "
+        f"trains it at 2e-3 after a format warm-up): start your preset file with `base: local`, or set actor.lr"
+    )
+
+
+def start_warnings(cfg: Any) -> list[str]:
+    """The lines a run prints before it starts and then goes on: settings that are valid but almost surely not
+    what was meant."""
+    return [line for line in (gpu_dtype_warning(cfg), tiny_model_lr_warning(cfg)) if line]
+
+
 def _check_batches(cfg: Any) -> None:
     rollout = cfg.rollout_batch_size
     for role in ("actor", "critic"):

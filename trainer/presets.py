@@ -3,7 +3,8 @@
 Each way the text can be unusable ends in one ConfigError that names the file (or the override) and
 the fix: a path that is a directory or unreadable, bytes that are not UTF-8, YAML that does not parse,
 a key written twice (PyYAML would keep the last one silently), an empty preset, a preset that is not a
-mapping. The values then go onto the config's dataclasses by dotted key (`actor.lr`), each through
+mapping, a `base:` that names no built-in preset. A preset file may start from a built-in preset
+(`base: local`): its keys first, then the file's. The values then go onto the config's dataclasses by dotted key (`actor.lr`), each through
 `config_checks.coerce`; the config as a whole is checked afterwards by `config_checks.validate`. The
 config arrives as an argument: this module does not import config.py.
 """
@@ -58,6 +59,27 @@ def read_preset(path: Path) -> dict[str, Any]:
             f"{path}: a preset must be a mapping of sections like `actor:`; this one is a {type(data).__name__}"
         )
     return data
+
+
+def preset_layers(path: Path) -> list[tuple[dict[str, Any], str]]:
+    """The mappings a preset file stands for, applied in order, each with the source errors name: the
+    built-in preset its `base:` names first (its `trainer.run_dir` left out: a run of this file never
+    lands in the base's directory), then the file itself. A built-in preset names no base."""
+    data = read_preset(path)
+    base = data.pop("base", None)
+    if base is None:
+        return [(data, str(path))]
+    if not isinstance(base, str) or base not in available_presets():
+        raise ConfigError(
+            f"{path}: `base: {base}` names no built-in preset: use one of {', '.join(available_presets())}, "
+            f"e.g. `base: local`, and set your own keys below it"
+        )
+    base_path = PRESET_DIR / f"{base}.yaml"
+    inherited = read_preset(base_path)
+    trainer = inherited.get("trainer")
+    if isinstance(trainer, dict):
+        inherited["trainer"] = {k: v for k, v in trainer.items() if k != "run_dir"}
+    return [(inherited, f"{base_path} (the base of {path})"), (data, str(path))]
 
 
 def parse_override(item: str) -> tuple[str, Any]:

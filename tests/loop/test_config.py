@@ -577,6 +577,44 @@ def test_each_preset_and_preset_file_gets_a_run_directory_of_its_own(tmp_path):
     assert load_config(str(job), ["trainer.run_dir=elsewhere"]).trainer.run_dir == "elsewhere"
 
 
+def test_a_preset_file_with_a_base_is_the_base_plus_its_own_keys(tmp_path):
+    """`base: local` gives every key of local.yaml, the file's own keys on top, and a run directory of the
+    file's own (never the base's, whose checkpoints resume=auto would pick up)."""
+    job = tmp_path / "my-job.yaml"
+    job.write_text("base: local\nactor:\n  lr: 1.0e-3\ntrainer:\n  total_steps: 4\n")
+    cfg, local = load_config(str(job)), load_config("local")
+    assert (cfg.actor.lr, cfg.trainer.total_steps, cfg.trainer.run_dir) == (1e-3, 4, "runs/my-job")
+    mine = {("actor", "lr"), ("trainer", "total_steps"), ("trainer", "run_dir")}
+    for section, values in local.to_dict().items():
+        for key, value in values.items():
+            if (section, key) not in mine:
+                assert cfg.to_dict()[section][key] == value, f"{section}.{key}"
+    # An override still wins over both.
+    assert load_config(str(job), ["model.sft_warmup_steps=3"]).model.sft_warmup_steps == 3
+
+
+def test_a_tiny_model_at_a_billion_parameter_learning_rate_is_warned_about(tmp_path):
+    """A preset file of one's own starts from the code's defaults (actor.lr=1e-6): with the built-in model the
+    run is valid but learns nothing visible, so the start-up says so; with `base: local` it does not."""
+    from cloudrl.trainer.config_checks import start_warnings
+
+    bare, based = tmp_path / "bare.yaml", tmp_path / "based.yaml"
+    bare.write_text("trainer:\n  total_steps: 3\n")
+    based.write_text("base: local\ntrainer:\n  total_steps: 3\n")
+    (line,) = start_warnings(load_config(str(bare)))
+    assert "actor.lr=1e-06 barely moves the built-in model builtin:tiny" in line and "`base: local`" in line
+    assert start_warnings(load_config(str(based))) == []
+    assert start_warnings(load_config("local")) == start_warnings(load_config("gsm8k-7b")) == []
+
+
+@pytest.mark.parametrize("base", ["nope", "[local]", "./local.yaml"])
+def test_a_base_that_is_no_built_in_preset_is_one_line(tmp_path, base):
+    job = tmp_path / "job.yaml"
+    job.write_text(f"base: {base}\ntrainer:\n  total_steps: 4\n")
+    with pytest.raises(ConfigError, match=r"names no built-in preset: use one of .*local.*e\.g\. `base: local`"):
+        load_config(str(job))
+
+
 def test_an_environment_may_be_scored_in_the_driver():
     """The rollout queue adds the environment's rewards on either path (tests/rollout/test_rollout_queue.py)."""
     cfg = load_config("calculator", ["reward.in_driver=true"])
