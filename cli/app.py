@@ -218,6 +218,9 @@ def submit(
     overrides = overrides or []
     cfg = sub.load_config(preset, overrides)
     upload = plan_upload(cfg, Path.cwd(), workdir, requirements, pip)
+    note = sub.check_code(cfg, upload, Path.cwd())  # the trainer's check of reward.function, rollout.environment
+    if note:
+        typer.echo(note, err=True)
     req = sub.build_request(preset, overrides, name, env or [], upload)
     env_values = sub.read_env(req.env_names)
     with tempfile.TemporaryDirectory(prefix="cloudrl-files-") as tmp:

@@ -1,7 +1,9 @@
 """`cloudrl submit`: check, then ship the trainer to a Ray cluster as a job.
 
 Order matters: everything that can fail is checked before anything is uploaded, so a failed submit
-leaves nothing on the cluster. Offline first (the config, the --env names), then the cluster in a few
+leaves nothing on the cluster. Offline first (the config, the --env names, and the trainer's own check of
+the reward function and environment the config names, imported from the files as the job will have
+them: `check_code`), then the cluster in a few
 seconds (its dashboard answers, its Ray version equals ours, its alive nodes hold what the config
 asks for), then the upload and the job. A connection lost while the job is being created is the one
 failure that can leave a job: `submit` looks for it and removes it, or says it could not.
@@ -27,6 +29,7 @@ import re
 import secrets
 import shlex
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -120,6 +123,87 @@ def build_request(
                 f"never put on a command line (export {var}=... and pass --env {var})"
             )
     return JobRequest(name, preset, list(overrides), list(dict.fromkeys(env_names)), preset_file, upload or Upload())
+
+
+def check_code(cfg: Any, upload: Upload, cwd: Path) -> str | None:
+    """The trainer's check of the code the config names (`reward.function`, `rollout.environment`:
+    cloudrl.trainer.job.check_user_code), run here as the job will run it: on the upload's files laid out
+    as the job's working directory (links to the files here), with the config's paths as the upload
+    rewrites them, that directory the current one and first on sys.path. Its one line names the files
+    as the config here does. A module this machine lacks is left to the cluster (it may be installed
+    there, or come with --pip), and so is a file given as a path on the cluster: returns a note on it."""
+    import copy
+
+    from cloudrl.trainer.errors import TrainerError
+    from cloudrl.trainer.job import check_user_code
+
+    job_cfg = copy.deepcopy(cfg)
+    for key, value in upload.rewrites.items():
+        section, name = key.split(".")
+        setattr(getattr(job_cfg, section), name, value)
+    on_cluster = [entry for entry in upload.cluster_paths if entry.startswith(CODE_KEYS)]
+    for entry in on_cluster:  # only the cluster has it: it is checked there
+        if entry.startswith("reward.function:"):
+            job_cfg.reward.function = "none"
+        else:
+            job_cfg.rollout.environment = ""
+    with tempfile.TemporaryDirectory(prefix="cloudrl-check-") as tmp:
+        root = Path(tmp)
+        for dest, src in upload.files.items():
+            (root / dest).parent.mkdir(parents=True, exist_ok=True)
+            (root / dest).symlink_to(src)
+        here, path = os.getcwd(), list(sys.path)
+        os.chdir(root)
+        sys.path.insert(0, str(root))
+        try:
+            check_user_code(job_cfg)
+        except TrainerError as exc:
+            missing = _missing_module(exc)
+            if missing is not None:
+                return (
+                    f"note: {missing}: not installed here, so the code the config names is checked on the "
+                    f"cluster when the job starts"
+                )
+            raise CloudrlError(_as_here(str(exc), cfg, upload, root, cwd)) from None
+        finally:
+            os.chdir(here)
+            sys.path[:] = path  # the trainer's loader leaves a user file's folder on sys.path
+            for name, module in list(sys.modules.items()):  # a module:Class import, cached from the links
+                if str(getattr(module, "__file__", None) or "").startswith(str(root)):
+                    del sys.modules[name]
+    if on_cluster:
+        return f"note: {', '.join(on_cluster)}: a path on the cluster, checked there when the job starts"
+    return None
+
+
+CODE_KEYS = ("reward.function:", "rollout.environment:")
+
+
+def _missing_module(exc: BaseException) -> str | None:
+    """The module an import behind `exc` did not find here, as 'module NAME' (None: nothing missing)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ImportError):
+            return f"module {cause.name!r}" if cause.name else "a module"
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _as_here(message: str, cfg: Any, upload: Upload, root: Path, cwd: Path) -> str:
+    """The trainer's message with the upload's paths turned back into the ones the config names here."""
+    pairs = [(str(root / dest), str(src)) for dest, src in upload.files.items()]
+    for key, new in upload.rewrites.items():
+        if f"{key}:" not in CODE_KEYS:
+            continue
+        section, name = key.split(".")
+        old = str(getattr(getattr(cfg, section), name))
+        pairs += [(new, old), (new.rpartition(":")[0], old.rpartition(":")[0])]
+    pairs.append((str(root), str(cwd)))
+    for shipped, local in sorted((p for p in pairs if p[0]), key=lambda p: -len(p[0])):
+        message = message.replace(shipped, local)
+    return message
 
 
 def read_env(names: list[str]) -> dict[str, str]:

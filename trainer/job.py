@@ -3,13 +3,18 @@ start the roles, run the loop, and always shut the roles down.
 
     summary = run_job(cfg, Trainer)   # driver.train(cfg) does this
 
-First the checks that need no cluster and load nothing big (`check_inputs`: the reward function, the
-model directories or a hub that answers, the prompt files), so a typo fails in well under a second,
-before any Ray process exists. Then it plans what each role asks of the cluster (roles/placement.py),
+First the checks that need no cluster and load nothing big, so a typo fails in well under a second,
+before any Ray process exists: `check_inputs` (the reward function and the environment, their files
+imported; the model directories or a hub that answers; the prompt files and their prompt column; a
+run_dir that is not empty and takes checkpoints), then the resume point (inputs/prepare.py's
+`decide_resume`: another run's files in run_dir, the checkpoint to continue checked against its
+manifest, its run and algorithm). Then it plans what each role asks of the cluster (roles/placement.py),
 joins the Ray cluster (or starts a local one) and checks that it can hold them, loads the inputs
-(inputs/prepare.py: run directory, checkpoint, model, data, reward function), starts the roles and runs
+(`prepare`: the model's tokenizer, the prompts, the reward function), starts the roles and runs
 `Trainer(cfg, roles, inputs, restarts, stop).fit()`; a lost worker or node restarts the roles from the
 latest checkpoint (recovery.py), and a worker's expected failure ends the run with its own one line.
+With trainer.checkpoint_uri (resume=auto) or a resume URL, the checkpoint is downloaded once the cluster
+is known to fit, so the resume point is decided after that download.
 """
 
 from __future__ import annotations
@@ -17,37 +22,39 @@ from __future__ import annotations
 import sys
 
 from .config import Config
-from .config_checks import gpu_dtype_warning
+from .config_checks import start_warnings
 from .inputs.data import check_prompt_files
-from .inputs.models import check_model_path
-from .inputs.prepare import prepare
 from .inputs.rewards import resolve_reward_fn
-from .recovery import StopRequest, run_with_restarts, stop_grace_s
 from .roles.cluster import connect, preflight
-from .state.run_dir import record_start
-from .state.storage import fetch_checkpoint
 from .waiting import worker_errors
+
+# torch comes with inputs.models, inputs.prepare, recovery and state.*: imported where used, so that
+# `cloudrl submit` imports `check_user_code` without it.
 
 
 def run_job(cfg: Config, trainer_class) -> dict:
     """Run the whole training job with `trainer_class` (driver.Trainer) and return its summary."""
+    from .inputs.prepare import decide_resume, prepare
+    from .recovery import StopRequest, run_with_restarts, stop_grace_s
     from .roles.launch import launch_roles
     from .roles.placement import plan
+    from .state.run_dir import record_start
+    from .state.storage import fetch_checkpoint
 
     if cfg.rollout.engine == "vllm":  # needs no cluster: fails before one starts
         from .rollout.vllm_engine import check_vllm_available
 
         check_vllm_available()
     requests = plan(cfg)  # what each role asks of the cluster, decided here once
-    warning = gpu_dtype_warning(cfg)  # a float32 run on GPUs: one line, the run goes on
-    if warning:
+    for warning in start_warnings(cfg):  # e.g. float32 on GPUs: one line each, the run goes on
         print(warning, file=sys.stderr, flush=True)
-    check_inputs(cfg)  # no cluster yet: a missing file fails in well under a second
+    check_inputs(cfg)  # no cluster yet: a missing file or a bad run_dir fails in well under a second
+    start = None if downloads_checkpoint(cfg) else decide_resume(cfg)  # run_dir's own checkpoint: checked here too
     started_ray = connect(cfg, requests)
     try:
         preflight(requests)  # a cluster too small fails in seconds, before anything heavy
         fetch_checkpoint(cfg)  # trainer.checkpoint_uri: its newest copy when newer than run_dir's (storage.py)
-        inputs = prepare(cfg)
+        inputs = prepare(cfg, start)  # (the resume point, when not decided above), model, data, reward
         # A worker's expected failure ends the run with its own line; SIGTERM/SIGINT stop it after a step.
         with worker_errors(), StopRequest(stop_grace_s(cfg)) as stop:
 
@@ -71,19 +78,41 @@ def run_job(cfg: Config, trainer_class) -> dict:
 
 def check_inputs(cfg: Config) -> None:
     """The input checks that need no cluster and load nothing big, each one line naming the key and the
-    fix: the reward function (its file imported), every model setting (a directory that exists, or a hub
-    id the hub can serve), every prompt file and local dataset (and the hub for hub datasets)."""
-    resolve_reward_fn(cfg.reward.function)
-    if cfg.rollout.environment:
-        from .rollout.environment import load_environment
+    fix: the reward function and the environment (`check_user_code`), every model setting (a directory
+    that exists, or a hub id the hub can serve), every prompt file and local dataset (and the hub for hub
+    datasets; a file's prompt column), and a training run's run_dir (placed under $CLOUDRL_RUNS_DIR when
+    relative; not empty, and checkpoints can be written there: nothing is created)."""
+    from .inputs.models import check_model_path
+    from .state.run_dir import check_run_dir, under_runs_dir
 
-        load_environment(cfg.rollout.environment)
+    check_user_code(cfg)
     check_model_path("model.path", cfg.model.path)
     for key, path in (("critic.model_path", cfg.critic.model_path), ("reward.model_path", cfg.reward.model_path)):
         if path:
             check_model_path(key, path)
     if not cfg.trainer.eval_only:  # scoring a model reads no training prompts
-        check_prompt_files(cfg.data.train_files, "data.train_files")
-    check_prompt_files(cfg.data.val_files, "data.val_files")
+        check_prompt_files(cfg.data.train_files, "data.train_files", cfg.data)
+    check_prompt_files(cfg.data.val_files, "data.val_files", cfg.data)
     for name, files in cfg.data.val_sets.items():
-        check_prompt_files(files, f"data.val_sets.{name}")
+        check_prompt_files(files, f"data.val_sets.{name}", cfg.data)
+    cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
+    if not cfg.trainer.eval_only:  # scoring a model writes only run_dir/eval.json
+        check_run_dir(cfg.trainer.run_dir)
+
+
+def check_user_code(cfg: Config) -> None:
+    """The user's code the config names, imported as the job imports it: `reward.function` and
+    `rollout.environment` (`cloudrl submit` runs this too, on the files it ships)."""
+    resolve_reward_fn(cfg.reward.function)
+    if cfg.rollout.environment:
+        from .rollout.environment import load_environment
+
+        load_environment(cfg.rollout.environment)
+
+
+def downloads_checkpoint(cfg: Config) -> bool:
+    """The job downloads the checkpoint it resumes once it has joined the cluster (storage.fetch_checkpoint):
+    trainer.resume is a URL, or trainer.resume=auto with trainer.checkpoint_uri; its resume point is then
+    decided after that download."""
+    resume = cfg.trainer.resume
+    return "://" in resume or (bool(cfg.trainer.checkpoint_uri) and resume == "auto")

@@ -4,6 +4,8 @@ dead Ray address, more local nodes than the machine holds, Ctrl+C during `cloudr
 
 Each is one line naming the problem and the fix, exit status 1 (130 for Ctrl+C), no traceback, nothing left
 running and nothing overwritten. The pure checks are tested in milliseconds; a few cases run end to end.
+A corrupted checkpoint and a run_dir holding another run are refused before the trainer joins Ray: those
+commands run with RAY_ADDRESS on a port nothing listens on, so one that reached Ray would say so instead.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ def nan_at_2(completions, **kwargs):
 
 def records(truths: list[str]) -> list[PromptRecord]:
     return [PromptRecord([3], f"q{i}", t, "toy") for i, t in enumerate(truths)]
+
+
+def dead_ray_address() -> str:
+    """host:port where nothing listens: the trainer given it as RAY_ADDRESS fails as soon as it tries to join."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def one_line_error(result: subprocess.CompletedProcess) -> str:
@@ -493,9 +502,11 @@ def test_a_corrupted_checkpoint_is_refused_before_ray_starts(tmp_path):
     with open(ckpt / "actor.pt", "r+b") as f:
         f.truncate(100)
     before = _snapshot(run_dir / "config.yaml")
-    result = run_trainer("--preset", "local", *tiny_overrides(run_dir), timeout=120)
+    dead = dead_ray_address()
+    result = run_trainer("--preset", "local", *tiny_overrides(run_dir), env={"RAY_ADDRESS": dead}, timeout=120)
     last = one_line_error(result)
     assert last.startswith(f"error: checkpoint file {ckpt}/actor.pt has 100 bytes but was saved with ")
+    assert dead not in result.stdout + result.stderr  # refused before it tried to join Ray
     assert "resolved config" not in result.stdout  # refused before the run began
     assert _snapshot(run_dir / "config.yaml") == before
 
@@ -504,7 +515,9 @@ def test_a_run_dir_holding_another_run_is_refused_and_left_alone(tmp_path):
     (tmp_path / "config.yaml").write_text("another run's config\n")
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
     before = [_snapshot(tmp_path / name) for name in ("config.yaml", "metrics.jsonl")]
-    result = run_trainer("--preset", "local", *tiny_overrides(tmp_path), timeout=120)
+    dead = dead_ray_address()
+    result = run_trainer("--preset", "local", *tiny_overrides(tmp_path), env={"RAY_ADDRESS": dead}, timeout=120)
+    assert dead not in result.stdout + result.stderr  # refused before it tried to join Ray
     assert one_line_error(result) == (
         f"error: trainer.run_dir={tmp_path} holds another run's files (config.yaml, "
         f"metrics.jsonl); it has no checkpoint to resume from: pick a new "

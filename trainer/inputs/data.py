@@ -10,7 +10,8 @@ A row has the columns verl users already have: `prompt` (a string or a list of c
 `data.prompt_key` / `data.answer_key` name other columns, `data.prompt_template` wraps the prompt.
 Every other column travels along in `PromptRecord.extra` and reaches the reward function. File rows
 and dataset rows (`hub_data.py`) go through the same `_rows_to_records`. Nothing here imports Ray;
-pyarrow is imported only when a Parquet file is read, `datasets` only for an `hf:` entry.
+pyarrow is imported only when a Parquet file is read, `datasets` only for an `hf:` entry, torch (demo.py)
+only for the built-in task.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import Any
 
 from ..config import DataConfig
 from ..errors import DataError, first_line
-from .demo import BUILTIN_ARITHMETIC, arithmetic_problems
 from .hub_data import HF_PREFIX, check_hub, check_local, load_rows, parse_ref
 
 # Names the reward call passes itself; a file column with one of these names stays out of `extra`.
@@ -71,28 +71,16 @@ def load_prompts(
     """
     cfg = data_cfg or DataConfig()
     key = "data.val_files" if split == "val" else "data.train_files"
-    how = _Reading(
-        prompt_key or cfg.prompt_key,
-        cfg.answer_key,
-        cfg.prompt_template,
-        max_prompt_length or cfg.max_prompt_length,
-        key,
-    )
-    if how.template and "{prompt}" not in how.template:
-        raise DataError(
-            f"data.prompt_template={how.template!r} has no {{prompt}}: mark where the prompt goes, "
-            f"e.g. data.prompt_template='{{prompt}} Give the final answer after ####.'"
-        )
+    how = _reading(cfg, key, prompt_key, max_prompt_length)
     entries = [f.strip() for f in files.split(",") if f.strip()]
     if not entries:
+        from .demo import BUILTIN_ARITHMETIC
+
         raise DataError(f"no prompt files given: set {key}=path/to/train.parquet (or {BUILTIN_ARITHMETIC})")
     records: list[PromptRecord] = []
     for entry in entries:
         if entry.startswith("builtin:"):
-            if entry != BUILTIN_ARITHMETIC:
-                raise DataError(
-                    f"unknown built-in dataset {entry!r} in {key}: the built-in one is {BUILTIN_ARITHMETIC}"
-                )
+            _check_builtin(entry, key)
             records += _arithmetic_records(tokenizer, cfg, split, seed, how.max_len)
         elif entry.startswith(HF_PREFIX):
             records += _dataset_records(entry, "test" if split == "val" else "train", tokenizer, how)
@@ -101,22 +89,68 @@ def load_prompts(
     return records
 
 
-def check_prompt_files(files: str, key: str) -> None:
+def check_prompt_files(files: str, key: str, data_cfg: DataConfig | None = None) -> None:
     """What can be checked of `files` (a data.*_files value) without reading them, in well under a
-    second: each entry's kind, that each file and local dataset directory exists, that the hub answers
-    for a hub dataset. The job runs this before it starts a cluster; `load_prompts` reads them later."""
+    second: data.prompt_template, each entry's kind, that each file and local dataset directory exists,
+    that the hub answers for a hub dataset, and a file's prompt column (a Parquet file's columns, a JSONL
+    file's first row; `data_cfg` names it). The job runs this before it starts a cluster; `load_prompts`
+    reads them later."""
+    how = _reading(data_cfg or DataConfig(), key)
     for entry in (f.strip() for f in files.split(",") if f.strip()):
         if entry.startswith("builtin:"):
-            if entry != BUILTIN_ARITHMETIC:
-                raise DataError(
-                    f"unknown built-in dataset {entry!r} in {key}: the built-in one is {BUILTIN_ARITHMETIC}"
-                )
+            _check_builtin(entry, key)
         elif entry.startswith(HF_PREFIX):
             ref = parse_ref(entry[len(HF_PREFIX) :], entry)
             check_local(ref, entry)
             check_hub(ref, entry)
         else:
             _check_file(Path(entry), key)
+            _check_first_columns(Path(entry), how)
+
+
+def _check_builtin(entry: str, key: str) -> None:
+    from .demo import BUILTIN_ARITHMETIC
+
+    if entry != BUILTIN_ARITHMETIC:
+        raise DataError(f"unknown built-in dataset {entry!r} in {key}: the built-in one is {BUILTIN_ARITHMETIC}")
+
+
+FIRST_ROW_BYTES = 1024**2
+"""How far into a JSONL file the check before the cluster looks for its first row."""
+
+
+def _check_first_columns(path: Path, how: _Reading) -> None:
+    """The prompt column (and data.answer_key's) of a Parquet file's schema, or the prompt column of a JSONL
+    file's first row, without reading the whole file: refused as `load_prompts` would refuse it. A file this
+    cannot read (not UTF-8, not JSON, a first row past FIRST_ROW_BYTES) is left to `load_prompts`, which
+    names the problem exactly."""
+    if path.suffix.lower() == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            columns = list(pq.read_schema(path).names)
+        except (pa.ArrowException, OSError):
+            return
+        _check_columns(str(path), columns, how, answer=True)
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(FIRST_ROW_BYTES)
+            if f.read(1):  # more follows: keep whole lines only
+                head = head[: head.rfind(b"\n") + 1]
+        text = head.decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return
+    for lineno, line in enumerate(io.StringIO(text, newline=None), start=1):  # lines as `_read_jsonl` splits them
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                return
+            if isinstance(row, dict):  # a row without data.answer_key's column reads as "" (no answer)
+                _check_columns(f"{path}:{lineno}", list(row), how, answer=False)
+            return
 
 
 def _check_file(path: Path, key: str) -> None:
@@ -141,6 +175,34 @@ class _Reading:
     key: str
 
 
+def _reading(
+    cfg: DataConfig, key: str, prompt_key: str | None = None, max_prompt_length: int | None = None
+) -> _Reading:
+    how = _Reading(
+        prompt_key or cfg.prompt_key,
+        cfg.answer_key,
+        cfg.prompt_template,
+        max_prompt_length or cfg.max_prompt_length,
+        key,
+    )
+    if how.template and "{prompt}" not in how.template:
+        raise DataError(
+            f"data.prompt_template={how.template!r} has no {{prompt}}: mark where the prompt goes, "
+            f"e.g. data.prompt_template='{{prompt}} Give the final answer after ####.'"
+        )
+    return how
+
+
+def _check_columns(label: str, columns: list[str], how: _Reading, answer: bool = True) -> None:
+    """The prompt column (and with `answer`, data.answer_key's) is one of `columns`."""
+    keys = ((how.prompt_key, "data.prompt_key"), *(((how.answer_key, "data.answer_key"),) if answer else ()))
+    for name, setting in keys:
+        if name and name not in columns:
+            raise DataError(
+                f"{label}: no {name!r} column (it has {', '.join(columns) or 'none'}): set {setting}=<one of them>"
+            )
+
+
 def _file_records(path: Path, tokenizer, how: _Reading) -> list[PromptRecord]:
     _check_file(path, how.key)
     rows = _read_jsonl(path) if path.suffix.lower() == ".jsonl" else _read_parquet(path)
@@ -160,12 +222,7 @@ def _rows_to_records(
     label: str, rows: list[tuple[str, dict]], default_source: str, tokenizer, how: _Reading
 ) -> list[PromptRecord]:
     """The one path from rows (`where` in the source, column -> value) to records, for files and datasets."""
-    columns = list(dict.fromkeys(k for _, row in rows for k in row))
-    for name, setting in ((how.prompt_key, "data.prompt_key"), (how.answer_key, "data.answer_key")):
-        if name and name not in columns:
-            raise DataError(
-                f"{label}: no {name!r} column (it has {', '.join(columns) or 'none'}): set {setting}=<one of them>"
-            )
+    _check_columns(label, list(dict.fromkeys(k for _, row in rows for k in row)), how)
     texts, truths, sources, extras = [], [], [], []
     for where, row in rows:
         texts.append(_prompt_text(row.get(how.prompt_key), tokenizer, f"{label}:{where}", how))
@@ -293,6 +350,8 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def _arithmetic_records(tokenizer, cfg: DataConfig, split: str, seed: int, max_len: int) -> list[PromptRecord]:
+    from .demo import BUILTIN_ARITHMETIC, arithmetic_problems
+
     pairs = arithmetic_problems(cfg, split, seed)
     if not pairs:
         raise DataError(f"{BUILTIN_ARITHMETIC} has no prompts: set data.arithmetic_size >= 1")

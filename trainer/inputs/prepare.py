@@ -1,9 +1,14 @@
-"""Everything checked and loaded before the trainer joins Ray: the checks that need no cluster, each
-failing in seconds with one line (the run directory, the checkpoint to resume, the reward function,
-the model's tokenizer, the prompts). With trainer.eval_only, what scoring a model needs instead
-(`eval_inputs`): its checkpoint or model.path, the tokenizer, the validation prompts, the reward.
+"""Everything the job reads before it starts the roles, in one sequence: the resume point, the model,
+the prompts, the reward function.
 
-    inputs = prepare(cfg)   # then launch the roles and Trainer(cfg, roles, inputs).fit() (job.py)
+    start = decide_resume(cfg)     # no cluster, no model: run_dir and the checkpoint to continue, checked
+    inputs = prepare(cfg, start)   # then launch the roles and Trainer(cfg, roles, inputs).fit() (job.py)
+
+`decide_resume` is the last of the checks the job runs before it joins Ray (job.check_inputs has the
+others): the checkpoint trainer.resume picks is read as data and checked against its manifest, the run
+that saved it and the algorithm. `prepare` then loads the tokenizer (and checks the checkpoint's
+parameter shapes against the model), the prompts and the reward. With trainer.eval_only, what scoring a
+model needs instead: its checkpoint or model.path, the tokenizer, the validation prompts, the reward.
 """
 
 from __future__ import annotations
@@ -19,6 +24,14 @@ from ..state.run_dir import resume_point, under_runs_dir
 from .data import PromptRecord, load_prompts
 from .models import load_tokenizer, quiet_transformers, resolve_path
 from .rewards import resolve_reward, score_responses
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run starts: the checkpoint it continues, read and checked against the config but for its
+    parameter shapes (None: a fresh start; with trainer.eval_only, model.path as it is)."""
+
+    checkpoint: checkpoint.Checkpoint | None
 
 
 @dataclass
@@ -48,15 +61,55 @@ class Inputs:
         return score
 
 
-def prepare(cfg: Config) -> Inputs:
-    """The checks that need no cluster; nothing is written to run_dir here (the run's files are
-    written once its roles have started). A relative run_dir is placed under $CLOUDRL_RUNS_DIR."""
-    inputs = eval_inputs(cfg) if cfg.trainer.eval_only else train_inputs(cfg)
-    inputs.val_sets = {
-        name: load_prompts(files, inputs.tokenizer, split="val", **_prompt_options(cfg))
-        for name, files in cfg.data.val_sets.items()
+def decide_resume(cfg: Config) -> ResumePoint:
+    """The resume point, with no cluster and no model: run_dir (a relative one placed under
+    $CLOUDRL_RUNS_DIR) and the checkpoint trainer.resume picks (auto: run_dir's latest; never: none),
+    refused in one line when run_dir holds another run's files, when a file of it does not match its
+    manifest, when another run (resume=auto) or another algorithm saved it, when it lacks the critic this
+    run trains, or when a training run would have no step left to train. trainer.eval_only reads run_dir
+    as it is and welcomes a finished run's checkpoint."""
+    cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
+    run_dir, resume = cfg.trainer.run_dir, cfg.trainer.resume
+    checkpoint.forget(run_dir)  # this run's timeline is decided from run_dir alone
+    found = checkpoint.resolve_resume(run_dir, resume) if cfg.trainer.eval_only else resume_point(run_dir, resume)
+    ckpt = open_checkpoint(cfg, found) if found else None
+    if ckpt is not None and not cfg.trainer.eval_only:
+        checkpoint.check_unfinished(ckpt, cfg.trainer.total_steps)
+    return ResumePoint(ckpt)
+
+
+def prepare(cfg: Config, start: ResumePoint | None = None) -> Inputs:
+    """The resume point (`start`, which the job decides before it joins the cluster; None: decided here,
+    as after a download from trainer.checkpoint_uri), the model's tokenizer (the checkpoint's shapes
+    checked against the model), the prompts, the reward function. A training run's run_dir/checkpoints
+    is created last, once all of that has passed; nothing else is written to run_dir here (the run's
+    files are written once its roles have started), and eval_only writes nothing."""
+    start = start or decide_resume(cfg)
+    eval_only = cfg.trainer.eval_only
+    quiet_transformers()
+    model_path = resolve_path(cfg.model.path, cfg)
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    critic_path = resolve_path(cfg.critic.model_path, cfg) if cfg.critic.model_path else model_path
+    resume = start.checkpoint
+    if resume is not None:
+        check_model_shapes(cfg, resume, model_path, critic_path)
+    options = _prompt_options(cfg)
+    train = [] if eval_only else load_prompts(cfg.data.train_files, tokenizer, split="train", **options)
+    val_files = _val_files(cfg)
+    val = load_prompts(val_files, tokenizer, split="val", **options) if val_files else []
+    if eval_only and not val and not cfg.data.val_sets:
+        raise DataError(
+            "trainer.eval_only=true has no validation prompts to score: set data.val_files or data.val_sets"
+        )
+    val_sets = {
+        name: load_prompts(files, tokenizer, split="val", **options) for name, files in cfg.data.val_sets.items()
     }
-    return inputs
+    reward_fn = resolve_reward(cfg.reward)
+    if not eval_only:  # run_dir's timeline is left as it is when scoring a model
+        resume_from = resume.path if resume is not None else None
+        checkpoint.begin_timeline(cfg.trainer.run_dir, resume_from, continuing=cfg.trainer.resume == "auto")
+        checkpoint.make_root(cfg.trainer.run_dir)
+    return Inputs(model_path, critic_path, tokenizer, train, val, resume, reward_fn, val_sets)
 
 
 def _prompt_options(cfg: Config) -> dict:
@@ -70,57 +123,30 @@ def _val_files(cfg: Config) -> str:
     return d.val_files or ("builtin:arithmetic" if d.train_files == "builtin:arithmetic" else "")
 
 
-def train_inputs(cfg: Config) -> Inputs:
-    """A training run's inputs: the timeline it starts or continues, the model, the prompts."""
-    quiet_transformers()
-    cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
-    checkpoint.forget(cfg.trainer.run_dir)  # this run's timeline is decided below, from run_dir alone
-    resume_from = resume_point(cfg.trainer.run_dir, cfg.trainer.resume)
-    checkpoint.check_writable(cfg.trainer.run_dir)
-    reward_fn = resolve_reward(cfg.reward)
-    model_path = resolve_path(cfg.model.path, cfg)
-    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    critic_path = resolve_path(cfg.critic.model_path, cfg) if cfg.critic.model_path else model_path
-    resume = open_resume(cfg, resume_from, model_path, critic_path) if resume_from else None
-    if resume is not None:
-        checkpoint.check_unfinished(resume, cfg.trainer.total_steps)
-    checkpoint.begin_timeline(cfg.trainer.run_dir, resume_from, continuing=cfg.trainer.resume == "auto")
-    train_records = load_prompts(cfg.data.train_files, tokenizer, split="train", **_prompt_options(cfg))
-    val_files = _val_files(cfg)
-    val_records = load_prompts(val_files, tokenizer, split="val", **_prompt_options(cfg)) if val_files else []
-    return Inputs(model_path, critic_path, tokenizer, train_records, val_records, resume, reward_fn)
+def open_checkpoint(cfg: Config, path: Path) -> checkpoint.Checkpoint:
+    """Read the checkpoint at `path` (checked against its manifest, read as data) and refuse it, in one
+    line, when its files tell that it does not fit this run: resume=auto refuses one saved by another run
+    (other models, data, reward or algorithm); any resume one of another algorithm or without the critic
+    this run trains."""
+    roles = ["actor", *(["critic"] if cfg.uses_critic else [])]
+    ckpt = checkpoint.load(path, roles)
+    if cfg.trainer.resume == "auto":
+        checkpoint.check_same_run(ckpt, cfg)
+    checkpoint.check_algorithm(ckpt, cfg)
+    return ckpt
 
 
-def eval_inputs(cfg: Config) -> Inputs:
-    """trainer.eval_only: the model to score, its tokenizer, the validation prompts and the reward. The
-    checkpoint is the one trainer.resume picks (auto: run_dir's latest; never: none), checked like a
-    resumed one but finished runs welcome; without one, model.path as it is. No training prompts, and
-    run_dir's timeline is left as it is."""
-    quiet_transformers()
-    cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
-    reward_fn = resolve_reward(cfg.reward)
-    model_path = resolve_path(cfg.model.path, cfg)
-    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    critic_path = resolve_path(cfg.critic.model_path, cfg) if cfg.critic.model_path else model_path
-    found = checkpoint.resolve_resume(cfg.trainer.run_dir, cfg.trainer.resume)
-    resume = open_resume(cfg, found, model_path, critic_path) if found else None
-    val_files = _val_files(cfg)
-    val = load_prompts(val_files, tokenizer, split="val", **_prompt_options(cfg)) if val_files else []
-    if not val and not cfg.data.val_sets:
-        raise DataError(
-            "trainer.eval_only=true has no validation prompts to score: set data.val_files or data.val_sets"
-        )
-    return Inputs(model_path, critic_path, tokenizer, [], val, resume, reward_fn)
+def check_model_shapes(cfg: Config, ckpt: checkpoint.Checkpoint, model_path: str, critic_path: str) -> None:
+    """Refuse a checkpoint whose parameter shapes are not those of the models this run loads (built on
+    the meta device from their configs: no weights read)."""
+    roles = {"actor": model_path, **({"critic": critic_path} if cfg.uses_critic else {})}
+    shapes = {role: checkpoint.expected_shapes(p, role, cfg.model.trust_remote_code) for role, p in roles.items()}
+    checkpoint.check_shapes(ckpt, cfg, {role: s for role, s in shapes.items() if s is not None})
 
 
 def open_resume(cfg: Config, path: Path, model_path: str, critic_path: str) -> checkpoint.Checkpoint:
-    """Read the checkpoint to resume (checked against its manifest, read as data) and refuse it, in one
-    line, unless it fits this run's config; resume=auto also refuses one saved by another run (other
-    models, data, reward or algorithm)."""
-    roles = {"actor": model_path, **({"critic": critic_path} if cfg.uses_critic else {})}
-    ckpt = checkpoint.load(path, list(roles))
-    if cfg.trainer.resume == "auto":
-        checkpoint.check_same_run(ckpt, cfg)
-    shapes = {role: checkpoint.expected_shapes(p, role, cfg.model.trust_remote_code) for role, p in roles.items()}
-    checkpoint.check_matches(ckpt, cfg, {role: s for role, s in shapes.items() if s is not None})
+    """The checkpoint at `path`, read and checked as `open_checkpoint` and `check_model_shapes` do (a
+    restart after a lost node continues from the latest one this way)."""
+    ckpt = open_checkpoint(cfg, path)
+    check_model_shapes(cfg, ckpt, model_path, critic_path)
     return ckpt

@@ -41,6 +41,7 @@ import pickle
 import random
 import secrets
 import shutil
+import tempfile
 import time
 import zipfile
 from collections.abc import Callable
@@ -75,18 +76,37 @@ def step_of(path: Path | str) -> int:
 
 
 def check_writable(run_dir: str) -> None:
-    """Fail before training starts, not at the first save."""
+    """Fail before training starts, not at the first save, and create nothing: a probe file is written
+    and removed in run_dir/checkpoints, or in the nearest of its parents that exists (`make_root` creates
+    the directories once every check has passed, so a refused run leaves no empty run_dir behind)."""
+    root = checkpoint_root(run_dir)
+    try:
+        there = root
+        while not there.exists() and there.parent != there:
+            there = there.parent
+        if not there.is_dir():  # a file where a directory would be created
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        fd, probe = tempfile.mkstemp(prefix=".probe", dir=there)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise _unwritable(root, exc) from None
+
+
+def make_root(run_dir: str) -> None:
+    """Create run_dir/checkpoints (and run_dir): once the run's checks have passed."""
     root = checkpoint_root(run_dir)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".probe{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
     except OSError as exc:
-        raise CheckpointError(
-            f"cannot write checkpoints to {root} ({exc.strerror or exc}): set trainer.run_dir to a writable "
-            f"directory (a local disk or a mounted volume)"
-        ) from None
+        raise _unwritable(root, exc) from None
+
+
+def _unwritable(root: Path, exc: OSError) -> CheckpointError:
+    return CheckpointError(
+        f"cannot write checkpoints to {root} ({exc.strerror or exc}): set trainer.run_dir to a writable "
+        f"directory (a local disk or a mounted volume)"
+    )
 
 
 def list_checkpoints(run_dir: str) -> list[Path]:
@@ -517,10 +537,18 @@ def load(path: Path, names: list[str]) -> Checkpoint:
     shapes = {name: {k: tuple(v.shape) for k, v in part.get("model", {}).items()} for name, part in parts.items()}
     for name, directory in sharded.items():
         shapes[name] = _read(directory / DCP_METADATA, model_shapes, text=False)
-    state = _read(path / "trainer.json", json.loads)
+    state = _read(path / "trainer.json", _json_object)
     saved = _read(path / "config.yaml", yaml.safe_load) if (path / "config.yaml").exists() else {}
     rng = _read(path / RNG, _parse_rng)
-    return Checkpoint(path, parts, state, rng, saved or {}, sharded, shapes, manifest.get("run_id"))
+    saved = saved if isinstance(saved, dict) else {}
+    return Checkpoint(path, parts, state, rng, saved, sharded, shapes, manifest.get("run_id"))
+
+
+def _json_object(text: str) -> dict:
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def verify(path: Path) -> dict:
@@ -747,7 +775,15 @@ def check_same_run(ckpt: Checkpoint, cfg) -> None:
 def check_matches(ckpt: Checkpoint, cfg, shapes: dict[str, dict[str, tuple]]) -> None:
     """Refuse a checkpoint of another algorithm or other models. `shapes[role]` is the parameter shapes
     of the model this run loads for that role (`expected_shapes`)."""
-    saved_alg = ckpt.saved_config.get("algorithm", {}).get("name")
+    check_algorithm(ckpt, cfg)
+    check_shapes(ckpt, cfg, shapes)
+
+
+def check_algorithm(ckpt: Checkpoint, cfg) -> None:
+    """Refuse a checkpoint saved by another algorithm, or without the critic this run trains: told from
+    its files alone, so the job checks it before it joins the cluster."""
+    saved = ckpt.saved_config.get("algorithm")
+    saved_alg = saved.get("name") if isinstance(saved, dict) else None
     alg = cfg.algorithm.name
     if saved_alg and saved_alg != alg:
         raise CheckpointError(
@@ -761,6 +797,11 @@ def check_matches(ckpt: Checkpoint, cfg, shapes: dict[str, dict[str, tuple]]) ->
             f"algorithm.name={alg} trains one: resume it with a critic-less algorithm, or "
             f"{FRESH_START} (trainer.resume=never)"
         )
+
+
+def check_shapes(ckpt: Checkpoint, cfg, shapes: dict[str, dict[str, tuple]]) -> None:
+    """Refuse a checkpoint of other models: `shapes[role]` is the parameter shapes of the model this run
+    loads for that role (`expected_shapes`, which needs the model's config)."""
     for role, expected in shapes.items():
         if role in ckpt.shapes:
             diff = shape_difference(ckpt.shapes[role], expected)

@@ -1,7 +1,8 @@
 """The run directory (`trainer.run_dir`): never written over by accident.
 
-Before anything starts, `resume_point` refuses an empty run_dir (it would be the current directory)
-and one that holds another run's files which this run does not continue. The run's own config.yaml and
+Before the job joins a cluster, `check_run_dir` refuses an empty run_dir (it would be the current
+directory) and one where checkpoints cannot be written, creating nothing, and `resume_point` refuses one
+that holds another run's files which this run does not continue. The run's own config.yaml and
 placement.json are written by `record_start` only once every role has started, so a failed start
 leaves the directory as it was; so is `timeline.json`, the run id this run saves its checkpoints under
 (checkpoint.py decides it before the roles start). Checkpoints themselves are checkpoint.py's.
@@ -14,7 +15,14 @@ import os
 from pathlib import Path
 
 from ..errors import RunDirError
-from .checkpoint import FRESH_START, checkpoint_root, list_checkpoints, resolve_resume, write_timeline
+from .checkpoint import (
+    FRESH_START,
+    check_writable,
+    checkpoint_root,
+    list_checkpoints,
+    resolve_resume,
+    write_timeline,
+)
 
 # What a run writes into run_dir besides checkpoints: their presence means another run was here.
 RUN_FILES = ("config.yaml", "placement.json", "metrics.jsonl", "summary.json", "hf_model", "tensorboard")
@@ -27,18 +35,29 @@ def under_runs_dir(run_dir: str) -> str:
     base = os.environ.get("CLOUDRL_RUNS_DIR", "")
     if not base or not run_dir.strip() or Path(run_dir).expanduser().is_absolute():
         return run_dir
-    return str(Path(base) / run_dir)
+    return str(Path(os.path.abspath(base)) / run_dir)  # absolute, so placing it again changes nothing
+
+
+def check_run_dir(run_dir: str) -> None:
+    """What a training run needs of run_dir before anything else, without creating it: not empty (the
+    current directory), and checkpoints can be written there (checkpoint.check_writable)."""
+    _refuse_empty(run_dir)
+    check_writable(run_dir)
+
+
+def _refuse_empty(run_dir: str) -> None:
+    if not run_dir.strip():
+        raise RunDirError(
+            "trainer.run_dir is empty, so the run would write into the current directory: set it "
+            "to a directory of its own, e.g. trainer.run_dir=runs/my-run"
+        )
 
 
 def resume_point(run_dir: str, resume: str) -> Path | None:
     """The checkpoint this run continues from (None: a fresh start), after refusing a run_dir the run
     would write over: an empty one (the current directory), or one holding another run's files that
     this run does not continue."""
-    if not run_dir.strip():
-        raise RunDirError(
-            "trainer.run_dir is empty, so the run would write into the current directory: set it "
-            "to a directory of its own, e.g. trainer.run_dir=runs/my-run"
-        )
+    _refuse_empty(run_dir)
     path = resolve_resume(run_dir, resume)
     if path is not None and checkpoint_root(run_dir).resolve() in path.resolve().parents:
         return path  # continuing this run_dir's own run
