@@ -49,6 +49,15 @@ def ray_local(private_cache):
             os.environ["RAY_AUTH_MODE"] = saved
 
 
+@pytest.fixture(scope="session")
+def tiny_straight_run(ray_local, tmp_path_factory):
+    """One tiny straight run (tests/helpers/runs.py `TINY_STRAIGHT`), trained once per test session on
+    `ray_local`: kill-and-resume's uninterrupted run, policy lag's in-turn run and eval-only's checkpoint."""
+    from runs import train_tiny_straight_run
+
+    return train_tiny_straight_run(tmp_path_factory.mktemp("tiny-straight"))
+
+
 # Where the time went: pyproject.toml's addopts print the 40 slowest test phases; this adds the total per test
 # folder (setup, call and teardown, module fixtures included), so every CI log says which wing costs what.
 _FOLDER_SECONDS: dict[str, float] = {}

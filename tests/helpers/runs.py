@@ -1,8 +1,5 @@
 """Helpers for tests that run the trainer: short runs of the local preset (and one tiny straight run that several
-tests share, `tiny_straight_run`), a local cluster, its metrics.
-
-PYTEST_DONT_REWRITE: the test modules that use `tiny_straight_run` import this module first and then list it
-in `pytest_plugins`; like every helper, its asserts stay plain Python asserts."""
+tests share: tests/conftest.py's `tiny_straight_run` fixture), a local cluster, its metrics."""
 
 from __future__ import annotations
 
@@ -15,8 +12,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -211,14 +206,11 @@ class TinyStraightRun:
         return dest
 
 
-@pytest.fixture(scope="session")
-def tiny_straight_run(ray_local, tmp_path_factory) -> TinyStraightRun:
-    """The tiny straight run above, trained once per test session on `ray_local` (in this process). Test
-    modules that use it list this module in `pytest_plugins`, so that all of them share the one run."""
+def train_tiny_straight_run(root: Path) -> TinyStraightRun:
+    """The tiny straight run above, trained in this process on the Ray instance it has joined, under `root`."""
     from cloudrl.trainer.config import load_config
     from cloudrl.trainer.driver import train
 
-    root = tmp_path_factory.mktemp("tiny-straight")
     val = write_val_set(root / "val.jsonl")
     run_dir = root / "run"
     train(load_config("local", tiny_straight_overrides(run_dir, val)))

@@ -12,9 +12,6 @@ from cloudrl.trainer.driver import train
 from cloudrl.trainer.metrics import format_eval_table
 from runs import TINY_STRAIGHT_STEPS, metric_rows
 
-# The shared tiny straight run (`tiny_straight_run`), one per test session for every module that uses it.
-pytest_plugins = ["runs"]
-
 
 def test_eval_table_has_a_row_per_set_and_a_column_per_statistic() -> None:
     metrics = {

@@ -20,9 +20,6 @@ from cloudrl.trainer.inputs.models import load_causal_lm, resolve_path
 from cloudrl.trainer.state import checkpoint
 from runs import REPO, REWARD_RISES, TINY_STRAIGHT_STEPS, first_and_last_means, metric_rows, run_trainer
 
-# The shared tiny straight run (`tiny_straight_run`), one per test session for every module that uses it.
-pytest_plugins = ["runs"]
-
 pytestmark = pytest.mark.ray
 
 

@@ -9,9 +9,6 @@ from cloudrl.trainer.config import ConfigError, load_config
 from cloudrl.trainer.driver import train
 from runs import REWARD_RISES, TINY_STRAIGHT_STEPS, first_and_last_means, tiny_overrides
 
-# The shared tiny straight run (`tiny_straight_run`), one per test session for every module that uses it.
-pytest_plugins = ["runs"]
-
 
 def _rows(run_dir) -> dict[int, dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
