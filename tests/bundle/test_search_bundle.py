@@ -26,6 +26,7 @@ from dstack_runner import (
     dstack_env,
     load_task,
     node_argv,
+    ready_image_python,
     shipped_files,
     task_env,
 )
@@ -170,20 +171,23 @@ def test_each_nodes_rollouts_query_their_own_nodes_retriever(cluster):
 # --- failures: one line, and the node never joins Ray ---------------------------------------------
 
 
-def _bootstrap_with_index(index: str) -> subprocess.CompletedProcess:
+def _bootstrap_with_index(index: Path) -> subprocess.CompletedProcess:
     env = {
         **dstack_env(1, ["127.0.0.1", "127.0.0.2"], GPUS_PER_NODE),
-        "CLOUDRL_PYTHON": sys.executable,
+        # An image that needs no install; the retriever runs on this interpreter.
+        "CLOUDRL_PYTHON": str(ready_image_python(index.parent)),
         "CLOUDRL_RAY_AUTH": "off",
-        "CLOUDRL_RETRIEVER_INDEX": index,
+        "CLOUDRL_RETRIEVER_INDEX": str(index),
         "CLOUDRL_RETRIEVER_PORT": str(free_port()),
     }
     return run_bootstrap(env, timeout=120)
 
 
 def test_bootstrap_fails_when_the_retriever_cannot_start(tmp_path):
-    (tmp_path / "meta.json").write_text('{"kind": "bm25"}')  # an index without its corpus
-    result = _bootstrap_with_index(str(tmp_path))
+    index = tmp_path / "index"
+    index.mkdir()
+    (index / "meta.json").write_text('{"kind": "bm25"}')  # an index without its corpus
+    result = _bootstrap_with_index(index)
     assert result.returncode == 1
     assert "the retriever exited before answering" in result.stderr
     assert "joining" not in result.stdout

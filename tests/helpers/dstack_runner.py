@@ -117,3 +117,27 @@ def base_env() -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         "PIP_DISABLE_PIP_VERSION_CHECK": "1",
     }
+
+
+# An image that already holds everything tasks/ray-bootstrap.sh ensures: Ray at cloudrl's pin answers the
+# version check, every trainer package imports, pip has nothing to do. Any other command (ray_bringup.py's steps,
+# the retriever server) runs on this interpreter.
+_READY_IMAGE_PYTHON = """#!/usr/bin/env bash
+case "$1 $2" in
+    "-c import ray; print(ray.__version__)") echo {ray_version} ;;
+    "-c import "*) [[ "$2" =~ ^import\\ [A-Za-z0-9_.]+$ ]] || exec {python} "$@" ;;
+    "-m pip") ;;
+    *) exec {python} "$@" ;;
+esac
+"""
+
+
+def ready_image_python(directory: Path) -> Path:
+    """A CLOUDRL_PYTHON for the bootstrap whose image needs no install: the bootstrap's paths past its install
+    step run in a second instead of waiting on pip and the imports of the trainer's packages."""
+    from cloudrl.cli.pins import RAY_VERSION
+
+    path = directory / "python3"
+    path.write_text(_READY_IMAGE_PYTHON.format(ray_version=RAY_VERSION, python=sys.executable))
+    path.chmod(0o755)
+    return path

@@ -18,6 +18,7 @@ from cloudrl.trainer.errors import ModelLoadError
 from cloudrl.trainer.inputs.models import load_causal_lm, resolve_path
 from cloudrl.trainer.roles.worker_base import forward_logprobs
 from cloudrl.trainer.roles.workers import PolicyWorker
+from float_close import assert_same_math
 from policy_groups import fixed_batch
 
 RANK, ALPHA = 4, 8.0
@@ -112,9 +113,7 @@ def test_the_engines_get_the_plain_models_names_and_the_merged_weights():
     engine = HFEngine(plain, worker.tokenizer)
     engine.load_weights((n, from_wire(t)) for n, t in worker.weights())
     batch = fixed_batch(cfg, 8).only("input_ids", "attention_mask", "response_mask")
-    torch.testing.assert_close(
-        forward_logprobs(plain, batch, cfg.rollout.temperature)[0], worker.logprobs(batch), rtol=0, atol=1e-5
-    )
+    assert_same_math(forward_logprobs(plain, batch, cfg.rollout.temperature)[0], worker.logprobs(batch))
 
     # The vLLM weight-sync path (NCCL or CUDA IPC): the same names, shapes and merged values, one at a time.
     if importlib.util.find_spec("vllm") is None:
@@ -262,29 +261,50 @@ def _sharded_update(rank: int, port: int, batch, dtype: str, out) -> None:
     out[rank] = {"ref": ref, "weights": weights, "trained": trained, "held": held, "moments": moments}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_two_fsdp2_ranks_on_gloo_update_the_adapters_as_one_rank(dtype):
+DTYPES = ["float32", "bfloat16"]
+
+
+def _sharded_updates(rank: int, ports: list[int], batches: dict, out) -> None:
+    """Each model.dtype in turn, in a process group of its own: the two ranks start once for both."""
+    for dtype, port in zip(DTYPES, ports):
+        result: dict = {}
+        _sharded_update(rank, port, batches[dtype], dtype, result)
+        torch.distributed.destroy_process_group()
+        out[(dtype, rank)] = result[rank]
+
+
+@pytest.fixture(scope="module")
+def two_rank_updates():
+    """{dtype: (the fixed batch, {rank: what that rank saw})} of two FSDP2 ranks on gloo updating on the batch."""
+    batches = {dtype: fixed_batch(load_config("local", [*LORA, f"model.dtype={dtype}"]), 16) for dtype in DTYPES}
+    ports = []
+    for _ in DTYPES:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    out = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_sharded_updates, args=(ports, batches, out), nprocs=2, join=True)
+    return {dtype: (batches[dtype], {rank: out[(dtype, rank)] for rank in (0, 1)}) for dtype in DTYPES}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_two_fsdp2_ranks_on_gloo_update_the_adapters_as_one_rank(dtype, two_rank_updates):
     """Wrapped before sharding: two FSDP2 ranks keep the base frozen (in model.dtype, the adapters in fp32), give
     the base model's reference log-probs (the first forward: FSDP2 must still see the adapters as trained) and
     push the merged weights of the one-rank update."""
+    batch, two = two_rank_updates[dtype]
     worker, cfg = _actor(f"model.dtype={dtype}")
-    batch = fixed_batch(cfg, 16)
     inputs = batch.only("input_ids", "attention_mask", "response_mask")
     ref = worker.ref_logprobs(inputs)
     shards, norms = update_shards(batch, 1, cfg.actor, seed=0)
     worker.update(shards[0], norms, kl_coef=0.0)
     one = dict(worker.weights())
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    two = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_sharded_update, args=(port, batch, dtype, two), nprocs=2, join=True)
     assert two[0]["trained"] == two[1]["trained"] == sum(p.requires_grad for p in worker.model.parameters())
     base = getattr(torch, dtype)
     assert two[0]["held"] == two[1]["held"] == {(False, base), (True, torch.float32)}
     assert two[0]["moments"] == two[1]["moments"] == {torch.float32}
-    torch.testing.assert_close(torch.cat([two[0]["ref"], two[1]["ref"]]), ref, rtol=0, atol=1e-6)
+    assert_same_math(torch.cat([two[0]["ref"], two[1]["ref"]]), ref)
     assert two[1]["weights"] is None
     sharded = dict(two[0]["weights"])
     assert list(sharded) == list(one)

@@ -16,6 +16,7 @@ from cloudrl.trainer.inputs.models import resolve_path
 from cloudrl.trainer.roles.packing import micro_batches, pack, use_attention
 from cloudrl.trainer.roles.worker_base import forward_logprobs, forward_values
 from cloudrl.trainer.roles.workers import CriticWorker, PolicyWorker
+from float_close import assert_same_math
 
 # Skewed like reasoning RL: most responses short, a few long (one empty, one longer than the budgets below).
 RESPONSE_LENGTHS = [0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120, 4, 2, 9, 1]
@@ -79,13 +80,12 @@ def test_packed_forward_passes_equal_padded(attention):
     assert policy.config._attn_implementation == attention
     assert packed.shape == padded.shape == mask.shape
     assert padded.abs().sum() > 1
-    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
-    torch.testing.assert_close(packed_ent * mask, padded_ent * mask, rtol=0, atol=1e-5)
+    # A response token that attended to another packed sequence would be off by the values' scale, not by ulps.
+    assert_same_math(packed, padded)
+    assert_same_math(packed_ent * mask, padded_ent * mask)
     values = forward_values(critic, batch)
     assert values.abs().sum() > 1
-    torch.testing.assert_close(
-        forward_values(critic, batch, packed=True, attention=attention), values, rtol=0, atol=1e-5
-    )
+    assert_same_math(forward_values(critic, batch, packed=True, attention=attention), values)
 
     # The gradient of a loss over the log-probs, through the packed pass.
     grads = []
@@ -161,7 +161,7 @@ def test_updates_are_the_same_packed_padded_and_budgeted():
     assert base["old"].abs().sum() > 1 and base["values"].abs().sum() > 0.1
     for mode, out in seen.items():
         for key in ("old", "ref", "values"):
-            torch.testing.assert_close(out[key], base[key], rtol=0, atol=1e-5, msg=f"{mode} {key}")
+            assert_same_math(out[key], base[key], msg=f"{mode} {key}")
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
             assert out["actor_stats"][key] == pytest.approx(base["actor_stats"][key], rel=1e-5, abs=1e-6), (mode, key)
         assert out["critic_stats"]["critic/vf_loss"] == pytest.approx(base["critic_stats"]["critic/vf_loss"], rel=1e-5)
@@ -171,29 +171,30 @@ def test_updates_are_the_same_packed_padded_and_budgeted():
                 assert_grad_close(out[role][name], grad, f"{mode} {role} {name}")
 
 
-def _count_on_rank(rank: int, port: int, lengths: list[list[int]], counts) -> None:
+def _count_on_rank(rank: int, port: int, lengths: list[list[int]]) -> int:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         prompts = [[5] * n for n in lengths[rank]]
         batch = build_batch(prompts, [[6]] * len(prompts), pad_id=0)
-        groups = micro_batches(batch, 4, 64, packed=True, agree_on=torch.device("cpu"))
-        counts[rank] = len(groups)
+        return len(micro_batches(batch, 4, 64, packed=True, agree_on=torch.device("cpu")))
     finally:
         dist.destroy_process_group()
 
 
-def test_sharded_ranks_run_as_many_micro_batches():
+LENGTHS_PER_RANK = [[60, 60, 60, 60], [10, 10, 10, 10]]  # alone: 4 groups and 1
+
+
+# The two-rank tests share fixtures that replace the optimizer's step (the first test to run pays for them).
+STEP_REPLACED = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+
+
+@STEP_REPLACED
+def test_sharded_ranks_run_as_many_micro_batches(two_ranks):
     """Under FSDP each forward pass gathers the shards, so every rank must run as many: the rank whose
     sequences fit in fewer micro-batches splits them further."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    lengths = [[60, 60, 60, 60], [10, 10, 10, 10]]  # alone: 4 groups and 1
-    counts = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_count_on_rank, args=(port, lengths, counts), nprocs=2, join=True)
-    assert dict(counts) == {0: 4, 1: 4}
+    assert {rank: two_ranks[("count", rank)] for rank in (0, 1)} == {0: 4, 1: 4}
 
 
 def test_attention_keys_fail_in_one_line_and_fall_back_without_cuda():
@@ -233,9 +234,15 @@ def _update_on_rank(rank: int, port: int, overrides: list[str], batch, out) -> N
     cfg = load_config("local", overrides)
     worker = PolicyWorker(cfg.to_dict(), resolve_path(cfg.model.path, cfg), rank=rank, world_size=2)
     worker.start_training("127.0.0.1", port)
-    _keep_gradients(worker, out, rank)
+    _keep_gradients(worker, out, ("grads", rank))
     shards, norms = update_shards(batch, 2, cfg.actor, seed=0)
     worker.update(shards[rank], norms, kl_coef=0.1)
+
+
+def _on_rank(rank: int, ports: list[int], packed: list[str], batch, out) -> None:
+    """What both two-rank tests need, one process group after the other: the two ranks start once."""
+    out[("count", rank)] = _count_on_rank(rank, ports[0], LENGTHS_PER_RANK)
+    _update_on_rank(rank, ports[1], packed, batch, out)
 
 
 def _keep_gradients(worker, out, key) -> None:
@@ -251,13 +258,21 @@ def _keep_gradients(worker, out, key) -> None:
     worker.optimizer.step = step
 
 
-@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
-def test_two_ranks_packed_and_budgeted_match_one_padded_rank():
-    """Two FSDP2 ranks on gloo, packed with a token budget and balanced by tokens, give the gradients of one
-    padded rank."""
+PACKED_TWO_RANKS = [
+    *COMMON,
+    "actor.grad_clip=0",
+    "actor.workers_per_node=2",
+    "actor.micro_batch_size=4",
+    "model.pack_sequences=true",
+    "actor.max_tokens_per_micro_batch=100",
+]
+
+
+@pytest.fixture(scope="module")
+def one_rank_update():
+    """The skewed batch with old and reference log-probs, and the gradients one padded rank computes on it."""
     batch, gen = _skewed_batch()
-    common = [*COMMON, "actor.grad_clip=0"]
-    cfg = load_config("local", common)
+    cfg = load_config("local", [*COMMON, "actor.grad_clip=0"])
     actor = PolicyWorker(cfg.to_dict(), resolve_path(cfg.model.path, cfg), with_reference=True)
     actor.start_training()
     inputs = batch.only("input_ids", "attention_mask", "response_mask")
@@ -268,20 +283,30 @@ def test_two_ranks_packed_and_budgeted_match_one_padded_rank():
     _keep_gradients(actor, one, 0)
     shards, norms = update_shards(batch, 1, cfg.actor, seed=0)
     actor.update(shards[0], norms, kl_coef=0.1)
+    return batch, one[0]
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    two = mp.get_context("spawn").Manager().dict()
-    packed = [
-        *common,
-        "actor.workers_per_node=2",
-        "actor.micro_batch_size=4",
-        "model.pack_sequences=true",
-        "actor.max_tokens_per_micro_batch=100",
-    ]
-    mp.spawn(_update_on_rank, args=(port, packed, batch, two), nprocs=2, join=True)
-    for name, grad in one[0].items():
+
+@pytest.fixture(scope="module")
+def two_ranks(one_rank_update):
+    """Two ranks on gloo: the micro-batch counts of LENGTHS_PER_RANK, and the gradients of two FSDP2 ranks, packed
+    with a token budget, on one_rank_update's batch."""
+    batch, _ = one_rank_update
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    out = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_on_rank, args=(ports, PACKED_TWO_RANKS, batch, out), nprocs=2, join=True)
+    return dict(out)
+
+
+@STEP_REPLACED
+def test_two_ranks_packed_and_budgeted_match_one_padded_rank(one_rank_update, two_ranks):
+    """Two FSDP2 ranks on gloo, packed with a token budget and balanced by tokens, give the gradients of one
+    padded rank."""
+    _, one = one_rank_update
+    for name, grad in one.items():
         assert grad.abs().sum() > 0, name
         for rank in (0, 1):
-            assert_grad_close(two[rank][name], grad, f"rank {rank} {name}")
+            assert_grad_close(two_ranks[("grads", rank)][name], grad, f"rank {rank} {name}")

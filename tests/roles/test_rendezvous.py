@@ -27,8 +27,8 @@ timeout = timedelta(seconds=60)
 if rank == 0:
     store = rendezvous_store("127.0.0.1", 2, timeout)
     print(store.port, flush=True)
-else:
-    store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, is_master=False, timeout=timeout)
+else:  # rank 0's port on stdin, once rank 0's store holds it
+    store = dist.TCPStore("127.0.0.1", int(sys.stdin.readline()), 2, is_master=False, timeout=timeout)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
 value = torch.tensor([rank + 1.0])
 dist.all_reduce(value)
@@ -57,16 +57,25 @@ def test_the_store_listens_on_its_address_alone_and_holds_its_port():
 
 
 def test_two_ranks_form_a_gloo_group_through_it():
+    # Both ranks start (and import torch) at once; rank 1 learns the port when rank 0's store has it.
     first = subprocess.Popen([sys.executable, "-c", RANK, "0"], stdout=subprocess.PIPE, text=True)
+    second = subprocess.Popen(
+        [sys.executable, "-c", RANK, "1"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = first.stdout.readline().strip()
         assert port.isdigit(), port
-        second = subprocess.run([sys.executable, "-c", RANK, "1", port], capture_output=True, text=True, timeout=120)
-        assert second.returncode == 0, second.stderr[-2000:]
-        assert "sum 3.0" in second.stdout
+        out, err = second.communicate(f"{port}\n", timeout=120)
+        assert second.returncode == 0, err[-2000:]
+        assert "sum 3.0" in out
         out, _ = first.communicate(timeout=60)
         assert first.returncode == 0 and "sum 3.0" in out
     finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait(timeout=30)
+        for proc in (first, second):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
