@@ -17,6 +17,7 @@ What is simplified, on purpose:
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from .config import Config
 from .inputs.data import PromptLoader, PromptRecord
 from .metrics import MetricsLogger, Timer, format_eval_table, format_summary, print_sample
 from .rollout.engines import SamplingSettings
+from .rollout.environment import FailureReport
 from .rollout.queue import RolloutQueue, Rollouts, Round, SentStep, StepsInFlight, refill
 from .rollout.weight_sync import WeightPush
 from .state import checkpoint
@@ -104,6 +106,8 @@ class Trainer:
         )
         self.in_flight = StepsInFlight(self.rollouts, settle_each_step=not cfg.rollout.policy_lag)
         self.push_weights = WeightPush(cfg, roles, self.rollouts)
+        self.env_failures = FailureReport()
+        """rollout.environment's failures: the first of each kind printed, a batch that all failed stops the run."""
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -253,9 +257,12 @@ class Trainer:
             [c.finish_reason for c in completions],
         )
 
-    def score(self, got: Rollouts) -> torch.Tensor:
+    def score(self, got: Rollouts, batch: str = "the batch") -> torch.Tensor:
         """Rewards [N] for `got`: the reward workers' (started as the engines finished, rollout/queue.py),
-        or with reward.in_driver scored right here, plus the environment's rewards."""
+        or with reward.in_driver scored right here, plus the environment's rewards. Its environment failures
+        are reported first (`FailureReport`; `batch` names it there)."""
+        for line in self.env_failures.check(got.completions, self.global_step, batch):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
         return got.scores(self.cfg.reward.function, self.cfg.reward.timeout_s)
 
     def logprobs_and_values(self, batch: Batch, timer: Timer) -> None:
@@ -397,7 +404,7 @@ class Trainer:
         for start in range(0, len(records), size):
             chunk = records[start : start + size]
             got = self.rollouts.generate(chunk, settings)
-            scores += self.score(got).tolist()
+            scores += self.score(got, "a validation batch").tolist()
             completions += got.completions
         return scores, completions
 

@@ -36,6 +36,11 @@ class RewardError(DataError):
     """A reward function that raised or returned what the trainer cannot use, while training."""
 
 
+class EnvironmentFailed(DataError):
+    """A rollout.environment whose reset, step or step_many raised or returned the wrong type, where that
+    stops the run: its `errors_are_fatal`, or every episode of a batch failed."""
+
+
 class RunDirError(TrainerError, ValueError):
     """A trainer.run_dir that is empty or holds another run's files (never silently rewritten)."""
 

@@ -42,6 +42,8 @@ CONSOLE_KEYS = (
     "critic/explained_var",
     "perf/tokens_per_s",
 )
+CONSOLE_WHEN_NONZERO = ("env/env_errors_per_sample",)
+"""Shown on the console line only in a step where they are above 0."""
 
 
 class MetricsLogger:
@@ -91,7 +93,8 @@ class MetricsLogger:
     def console_line(self, step: int, metrics: dict[str, float]) -> str:
         filled = round(10 * step / max(self.total, 1))
         bar = "#" * filled + "." * (10 - filled)
-        shown = " ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+        keys = [*CONSOLE_KEYS, *(k for k in CONSOLE_WHEN_NONZERO if metrics.get(k, 0) > 0)]
+        shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
         secs = metrics.get("timing/step")
         return f"step {step}/{self.total} [{bar}] | {shown}" + (f" | {secs:.2f} s/step" if secs else "")
 

@@ -3,18 +3,24 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 from cloudrl.trainer.config import ConfigError, load_config
-from cloudrl.trainer.errors import DataError
+from cloudrl.trainer.driver import Trainer
+from cloudrl.trainer.errors import DataError, EnvironmentFailed, TrainerError, WorkerTimeout
 from cloudrl.trainer.inputs.demo import build_char_tokenizer, build_tiny_model
-from cloudrl.trainer.rollout.engines import Completion, HFEngine, SamplingSettings
+from cloudrl.trainer.metrics import MetricsLogger
+from cloudrl.trainer.rollout.engines import Completion, Completions, HFEngine, SamplingSettings
 from cloudrl.trainer.rollout.environment import (
     ENV_REWARD,
     EpisodeLimits,
     EpisodeLoop,
+    FailureReport,
     StepResult,
     environment_rewards,
     episode_metrics,
@@ -272,3 +278,150 @@ def test_episodes_on_the_hf_engine_with_the_tiny_model(tok):
         if c.turns["turns"] == 2:  # the first turn stopped at `.` or the budget and went on
             start = c.loss_mask.index(0)
             assert c.token_ids[start : start + len(obs_ids)] == obs_ids
+
+
+# ---- failures are loud: each Completion says why its episode failed; the driver prints the first of each
+# kind once and stops the run when a whole batch failed ---------------------------------------------------
+
+
+class GymStyle(Counting):
+    def step(self, action_text):
+        return OBS, 1.0, False, False, {}  # gym's (observation, reward, terminated, truncated, info)
+
+
+GYM_LINE = "GymStyle.step returned tuple, not StepResult: return StepResult(observation, reward, done)"
+
+
+def test_a_gym_style_tuple_is_named_with_its_fix_and_a_batch_of_them_stops_the_run(tok):
+    out, _ = _run(tok, {"A|": ["x."], "B|": ["y."]}, GymStyle, n=2)
+    assert [c.error for c in out] == [GYM_LINE] * 4
+    assert all(c.turns["env_errors"] == 1 and ENV_REWARD not in c.turns for c in out)
+    wired = pickle.loads(pickle.dumps(Completions(out)))  # as Ray carries them from the rollout worker
+    assert [c.error for c in wired] == [GYM_LINE] * 4
+    with pytest.raises(EnvironmentFailed) as err:
+        FailureReport().check(wired, step=1)
+    message = str(err.value)
+    assert message.startswith(f"environment {GYM_LINE}: every episode of the batch at step 1 failed (4 of 4")
+    assert "\n" not in message and isinstance(err.value, TrainerError)  # the job prints it as `error: ...`
+
+
+class Crashy(Counting):
+    """Steps fine, except that the episodes of a sample marked `crash` divide by zero on their third step."""
+
+    def reset(self, sample):
+        super().reset(sample)
+        self.crash = sample["ground_truth"] == "crash"
+        return ""
+
+    def step(self, action_text):
+        if self.steps == 2 and self.crash:
+            return 1 / 0
+        self.steps += 1
+        return StepResult(OBS, reward=0.5, done=self.steps == 4)
+
+
+def test_a_step_raising_on_turn_three_is_printed_once_with_its_count_and_the_run_goes_on(tok, capsys):
+    scripts = {"A|": ["a."] * 4, "B|": ["b."] * 4, "C|": ["c."] * 4}
+    samples = [{"ground_truth": g} for g in ("ok", "crash", "ok")]
+    out, _ = _run(tok, scripts, Crashy, n=2, samples=samples)
+    failed = [c for c in out if c.error]
+    assert len(failed) == 2 and all(c.turns["turns"] == 3 and c.turns[ENV_REWARD] == 1.0 for c in failed)
+    assert failed[0].error.startswith("Crashy.step raised ZeroDivisionError: division by zero (test_environment.py:")
+    assert all(c.error is None and c.turns[ENV_REWARD] == 2.0 for c in out if c not in failed)
+    assert episode_metrics(out)["env/env_errors_per_sample"] == pytest.approx(1 / 3)
+
+    # the driver: one line for the kind, on the first batch that has it; the next batch's only counted
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg, trainer.global_step, trainer.env_failures = load_config("local"), 2, FailureReport()
+    got = SimpleNamespace(completions=Completions(out), scores=lambda *args: torch.zeros(len(out)))
+    assert trainer.score(got).shape == (6,) and trainer.score(got).shape == (6,)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: environment Crashy.step raised ZeroDivisionError")
+    assert "(2 of 6 episodes of the batch at step 2 failed this way;" in lines[0]
+
+
+def test_env_errors_per_sample_shows_on_the_console_line_when_above_zero():
+    logger = MetricsLogger.__new__(MetricsLogger)
+    logger.total = 4
+    metrics = {"rollout/reward_mean": 0.5, "env/env_errors_per_sample": 0.25, "env/env_timeouts_per_sample": 0.0}
+    assert "| rollout/reward_mean=0.5 env/env_errors_per_sample=0.25" in logger.console_line(1, metrics)
+    assert "env/" not in logger.console_line(1, {**metrics, "env/env_errors_per_sample": 0.0})
+
+
+class GymReset(Counting):
+    def reset(self, sample):
+        return "", {}  # gym's (observation, info)
+
+
+class BrokenInit(Counting):
+    def __init__(self):
+        raise RuntimeError("no service\nsecond line")
+
+
+def test_a_batch_where_every_episode_failed_stops_the_run_with_one_line(tok):
+    out, _ = _run(tok, {"A|": ["x."], "B|": ["y."]}, GymReset, n=2)
+    line = 'GymReset.reset returned tuple, not str: return the first observation\'s text ("" for none)'
+    assert [c.error for c in out] == [line] * 4 and all(c.turns["turns"] == 0 for c in out)
+    report = FailureReport()
+    with pytest.raises(EnvironmentFailed, match="every episode of the batch at step 3 failed \\(4 of 4 this way\\)"):
+        report.check(out, step=3)
+    with pytest.raises(EnvironmentFailed, match="every episode of a validation batch at step 0 failed"):
+        FailureReport().check(out, 0, "a validation batch")  # the driver's validation names its batches so
+    out, _ = _run(tok, {"A|": ["x."]}, BrokenInit, n=2)
+    assert out[0].error.startswith("BrokenInit.__init__ raised RuntimeError: no service (test_environment.py:")
+    # mixed kinds: the commonest one is named, the others counted
+    mixed = [Completion([], [], "stop", error=GYM_LINE)] * 3 + [Completion([], [], "stop", error=out[0].error)]
+    with pytest.raises(EnvironmentFailed, match="failed \\(3 of 4 this way, 1 others failing otherwise\\)"):
+        FailureReport().check(mixed, step=1)
+    assert FailureReport().check(mixed[:3] + [Completion([1], [0.0], "stop")], step=1)  # one ok: a warning only
+
+
+class FatalWrongType(Counting):
+    errors_are_fatal = True
+
+    def step(self, action_text):
+        return {"observation": OBS, "reward": 1.0}
+
+
+class FatalWrongMany(Counting):
+    errors_are_fatal = True
+
+    @classmethod
+    def step_many(cls, envs, actions):
+        return [StepResult(done=True)]  # one result for a turn of several episodes
+
+
+class FatalReset(GymReset):
+    errors_are_fatal = True
+
+
+class FatalRaise(Counting):
+    errors_are_fatal = True
+
+    def step(self, action_text):
+        raise KeyError("id")
+
+
+class FatalService(Counting):
+    errors_are_fatal = True
+
+    def step(self, action_text):
+        raise WorkerTimeout("the service did not answer")
+
+
+def test_errors_are_fatal_stops_the_run_on_a_wrong_return_type_too(tok):
+    scripts = {"A|": ["x."], "B|": ["y."]}
+    with pytest.raises(EnvironmentFailed) as err:
+        _run(tok, scripts, FatalWrongType)
+    assert str(err.value) == (
+        "environment FatalWrongType.step returned dict, not StepResult: return StepResult(observation, reward, "
+        "done) (FatalWrongType.errors_are_fatal: its first failure stops the run)"
+    )
+    with pytest.raises(EnvironmentFailed, match="FatalWrongMany.step_many returned a list of 1, not a list of 2"):
+        _run(tok, scripts, FatalWrongMany)
+    with pytest.raises(EnvironmentFailed, match="FatalReset.reset returned tuple, not str"):
+        _run(tok, scripts, FatalReset)
+    with pytest.raises(EnvironmentFailed, match="FatalRaise.step raised KeyError: 'id' \\(test_environment.py:"):
+        _run(tok, scripts, FatalRaise)
+    with pytest.raises(WorkerTimeout, match="the service did not answer"):  # the trainer's own errors as themselves
+        _run(tok, scripts, FatalService)

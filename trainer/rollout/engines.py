@@ -56,6 +56,9 @@ class Completion:
     trainer inserted (their log-probs are 0). None: every token was generated."""
     turns: dict[str, int] | None = None
     """Multi-turn rollouts: this sample's counts (turns, searches, invalid_calls, observation_tokens)."""
+    error: str | None = None
+    """Multi-turn rollouts: the environment call that ended this episode by raising or returning the wrong
+    type, as one line (`Class.method raised ValueError: ...`, environment.py); None: no such failure."""
 
 
 class Completions(list):
@@ -77,6 +80,7 @@ class Completions(list):
             [c.turns for c in self],
             self.seconds,
             self.gpus,
+            [c.error for c in self] if any(c.error for c in self) else None,  # None: no sample failed
         )
 
 
@@ -88,9 +92,13 @@ def _completions(
     turns: list | None = None,
     seconds: float | None = None,
     gpus: float = 0.0,
+    errors: list | None = None,
 ) -> Completions:
     extra = zip(loss_masks, turns) if loss_masks is not None else ((None, None) for _ in token_ids)
-    out = Completions(Completion(t, lp, r, m, n) for t, lp, r, (m, n) in zip(token_ids, logprobs, reasons, extra))
+    errors = errors or [None] * len(token_ids)
+    out = Completions(
+        Completion(t, lp, r, m, n, e) for t, lp, r, (m, n), e in zip(token_ids, logprobs, reasons, extra, errors)
+    )
     out.seconds, out.gpus = seconds, gpus
     return out
 

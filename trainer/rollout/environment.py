@@ -12,8 +12,8 @@ Optional class attributes: `stop` (strings that end a model turn, besides rollou
 end-of-sequence token), `counts` (names of `info` counts every episode reports, 0 unless a step adds to
 them), `step_many(envs, actions) -> list[StepResult]`, a classmethod that answers all live episodes'
 turns at once (one request to a batched service instead of one per episode), and `errors_are_fatal`
-(an exception from `step` stops the run instead of ending the episode: for a shared service whose
-failure is the run's).
+(a `reset`, `step` or `step_many` that raises or returns the wrong type stops the run instead of ending
+the episode: for a shared service whose failure is the run's).
 
 The loop is batched: every turn sends all live episodes to the engine in one `generate` call, then
 runs their `step` calls concurrently, each in a thread of its own. An episode ends when `step` says
@@ -22,11 +22,16 @@ action can be scored, but its observation is dropped), after `rollout.max_turns`
 when a turn runs out of tokens (`length`; no `step`), or when an observation would leave no room in
 `rollout.max_episode_tokens`. Observations are cut to `rollout.max_obs_tokens`.
 
-Failures end the one episode, never the batch: a `reset` or `step` that raises ends it with the rewards
-returned so far (counted in `env/errors`); one still running `rollout.episode_timeout_s` after its
-episode started is abandoned (its daemon thread is left to finish alone) and ends it the same way
-(counted in `env/timeouts`). An episode whose time is up before a turn ends before generating it. A turn
-waits for its slowest step, so one stuck step holds the batch up to its episode's deadline.
+Failures end the one episode, never the batch: a `reset` or `step` that raises or returns the wrong
+type (a `step` anything but a `StepResult`, a `reset` anything but text) ends it with the rewards returned
+so far (counted in `env/env_errors_per_sample`; its `Completion.error` says which call and why, in one
+line); one still running `rollout.episode_timeout_s` after its episode started is abandoned (its daemon
+thread is left to finish alone) and ends it the same way (counted in `env/env_timeouts_per_sample`). An
+episode whose time is up before a turn ends before generating it. A turn waits for its slowest step, so
+one stuck step holds the batch up to its episode's deadline. The driver prints the first failure of each
+kind in a run as one line with how many episodes of that batch failed so (`FailureReport`), and a batch
+in which every episode failed stops the run with that line. With `errors_are_fatal` the first failure
+stops it (a timeout is never fatal).
 
 Rewards: the per-turn rewards of an episode are summed and added to `reward.function`'s score of the
 sample; they are not placed on the turns' own tokens (the advantage sees one score per sample).
@@ -43,13 +48,16 @@ import dataclasses
 import difflib
 import importlib
 import importlib.util
+import numbers
+import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..errors import DataError
+from ..errors import DataError, EnvironmentFailed, TrainerError, first_line
 from ..inputs.user_files import load_user_file
 from .engines import Completion, SamplingSettings
 
@@ -130,11 +138,37 @@ def load_environment(spec: str, key: str = "rollout.environment") -> type:
 
 
 class _Failed(Exception):
-    """A call that raised or ran past its episode's deadline."""
+    """A call that raised, returned the wrong type (kind `env_errors`) or ran past its episode's deadline
+    (`env_timeouts`). Its text follows the method's name: `raised ValueError: ...`, `returned tuple, ...`."""
 
     def __init__(self, kind: str, detail: str, cause: BaseException | None = None):
         super().__init__(detail)
         self.kind, self.cause = kind, cause
+
+
+def _raised(exc: BaseException) -> str:
+    """`raised ValueError: its message's first line (env.py:42)`: the exception and where it was raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    message = first_line(exc, default="")[:300]
+    return f"raised {type(exc).__name__}" + (f": {message}" if message else "") + where
+
+
+def _wrong_step(result: Any) -> str | None:
+    """What is wrong with a step's return value, naming the fix; None when it is a usable StepResult."""
+    if not isinstance(result, StepResult):
+        return f"returned {type(result).__name__}, not StepResult: return StepResult(observation, reward, done)"
+    if result.reward is not None and not _number(result.reward):
+        return f"returned a StepResult whose reward is {type(result.reward).__name__}: give a number or None"
+    obs = result.observation
+    if not (obs is None or isinstance(obs, str) or isinstance(obs, list) and _token_ids(obs)):
+        return (
+            f"returned a StepResult whose observation is {type(result.observation).__name__}: "
+            "give its text (or a list of token ids)"
+        )
+    if not isinstance(result.info, dict) or not all(isinstance(v, numbers.Real) for v in result.info.values()):
+        return "returned a StepResult whose info is not a dict of counts: give info={name: number}"
+    return None
 
 
 def call_with_deadlines(calls: list[Callable[[], Any]], deadlines: list[float]) -> list[Any]:
@@ -149,7 +183,7 @@ def call_with_deadlines(calls: list[Callable[[], Any]], deadlines: list[float]) 
         try:
             results[i] = calls[i]()
         except Exception as exc:  # an environment's own bug ends its episode, not the batch
-            results[i] = _Failed("env_errors", f"{type(exc).__name__}: {exc}", exc)
+            results[i] = _Failed("env_errors", _raised(exc), exc)
         done[i] = True
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"env step {i}") for i in range(len(calls))]
@@ -173,7 +207,8 @@ class _Episode:
     counts: dict[str, int] = field(default_factory=lambda: {"turns": 0, "observation_tokens": 0})
     rewards: list[float] = field(default_factory=list)
     finish_reason: str = ""
-    error: str = ""
+    error: str | None = None
+    """The call that raised or returned the wrong type: `Class.method raised ...` (Completion.error)."""
     action: str = ""
     """The last model turn's text (special tokens removed)."""
     last_eos: bool = False
@@ -186,16 +221,18 @@ class _Episode:
         if not generated:
             self.counts["observation_tokens"] += len(ids)
 
-    def fail(self, failure: _Failed) -> None:
+    def fail(self, failure: _Failed, where: str) -> None:
+        """End the episode; `where` names the call (`Class.method`). A timeout is only counted."""
         self.counts[failure.kind] = self.counts.get(failure.kind, 0) + 1
-        self.error = str(failure)
+        if failure.kind == "env_errors":
+            self.error = f"{where} {failure}"
         self.finish_reason = "stop"
 
     def completion(self) -> Completion:
         turns: dict = dict(self.counts)
         if self.rewards:
             turns[ENV_REWARD] = float(sum(self.rewards))
-        return Completion(self.ids, self.logprobs, self.finish_reason, self.mask, turns)
+        return Completion(self.ids, self.logprobs, self.finish_reason, self.mask, turns, self.error)
 
 
 class EpisodeLoop:
@@ -240,7 +277,8 @@ class EpisodeLoop:
         while active:
             now = time.monotonic()
             for i in [i for i in active if episodes[i].deadline <= now]:
-                episodes[i].fail(_Failed("env_timeouts", "rollout.episode_timeout_s passed before its turn"))
+                late = _Failed("env_timeouts", "rollout.episode_timeout_s passed before its turn")
+                self._fail(episodes[i], late, "step")
             active = [i for i in active if not episodes[i].finish_reason]
             if not active:
                 break
@@ -262,6 +300,20 @@ class EpisodeLoop:
             turn += 1
         return [e.completion() for e in episodes]
 
+    def _fail(self, e: _Episode, failure: _Failed, method: str) -> None:
+        """End `e` with `failure` of its `method` call; with `errors_are_fatal` an error (not a timeout)
+        stops the run instead: as itself where it is a TrainerError (a retriever's), else as one line."""
+        name = (self.env_class or type(e.env)).__name__ if self.env_class or e.env is not None else "environment"
+        if e.env is None and method == "reset":
+            method = "__init__"  # making the instance failed
+        if failure.kind == "env_errors" and self.errors_are_fatal:
+            if isinstance(failure.cause, TrainerError):
+                raise failure.cause
+            raise EnvironmentFailed(
+                f"environment {name}.{method} {failure} ({name}.errors_are_fatal: its first failure stops the run)"
+            ) from failure.cause
+        e.fail(failure, f"{name}.{method}")
+
     def _reset(self, episodes: list[_Episode], samples: list[dict]) -> None:
         start = time.monotonic()
         for e in episodes:
@@ -274,7 +326,11 @@ class EpisodeLoop:
         calls = [lambda e=e, s=s: reset(e, s) for e, s in zip(episodes, samples)]
         for e, obs in zip(episodes, call_with_deadlines(calls, [e.deadline for e in episodes])):
             if isinstance(obs, _Failed):
-                e.fail(obs)
+                self._fail(e, obs, "reset")
+                continue
+            if not (obs is None or isinstance(obs, str) or isinstance(obs, list) and _token_ids(obs)):
+                wrong = f'returned {type(obs).__name__}, not str: return the first observation\'s text ("" for none)'
+                self._fail(e, _Failed("env_errors", wrong), "reset")
                 continue
             ids = self._observation(obs)
             if len(ids) + 1 > self.limits.max_episode_tokens:
@@ -298,16 +354,15 @@ class EpisodeLoop:
     def _step(self, episodes: list[_Episode], acting: list[int]) -> list[int]:
         """Step every acting episode's environment; append the observations; returns the episodes that go on."""
         results = self._step_results([episodes[i] for i in acting])
+        method = "step_many" if self.step_many is not None else "step"
         going_on = []
         for i, result in zip(acting, results):
             e = episodes[i]
+            wrong = None if isinstance(result, _Failed) else _wrong_step(result)
+            if wrong is not None:
+                result = _Failed("env_errors", wrong)
             if isinstance(result, _Failed):
-                if result.cause is not None and self.errors_are_fatal:
-                    raise result.cause
-                e.fail(result)
-                continue
-            if not isinstance(result, StepResult):
-                e.fail(_Failed("env_errors", f"step returned {type(result).__name__}, not StepResult"))
+                self._fail(e, result, method)
                 continue
             if result.reward is not None:
                 e.rewards.append(float(result.reward))
@@ -341,7 +396,24 @@ class EpisodeLoop:
 def _as_failure(got: Any, count: int) -> _Failed:
     if isinstance(got, _Failed):
         return got
-    return _Failed("env_errors", f"step_many returned {type(got).__name__}, not a list of {count} StepResults")
+    what = f"a list of {len(got)}" if isinstance(got, list) else type(got).__name__
+    return _Failed(
+        "env_errors", f"returned {what}, not a list of {count} StepResults: return one per environment, in order"
+    )
+
+
+def _number(x: Any) -> bool:
+    """A reward the loop can sum: a number (numpy's and one-element tensors' too), not text."""
+    if isinstance(x, numbers.Real):
+        return True
+    try:
+        return not isinstance(x, (str, bytes)) and isinstance(float(x), float)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _token_ids(obs: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in obs)
 
 
 def environment_rewards(completions: list) -> list[float]:
@@ -361,3 +433,50 @@ def episode_metrics(completions: list) -> dict[str, float]:
         f"env/{k}_per_sample" if k != ENV_REWARD else "env/reward": sum(c.get(k, 0) for c in counts) / len(counts)
         for k in keys
     }
+
+
+def failure_kind(error: str) -> str:
+    """What a `Completion.error` counts as one kind of failure: its text before the first ": "
+    (`Guess.step raised ZeroDivisionError`, `Guess.step returned tuple, not StepResult`)."""
+    return error.partition(": ")[0]
+
+
+class FailureReport:
+    """The driver's account of the environment failures of a run (each `Completion.error`): `check`
+    returns a line for the first failure of each kind (later ones are only counted, in
+    env/env_errors_per_sample) and stops the run when every episode of a batch failed."""
+
+    def __init__(self):
+        self.seen: set[str] = set()
+        """The kinds (`failure_kind`) reported so far."""
+
+    def check(self, completions: list, step: int, batch: str = "the batch") -> list[str]:
+        """The lines to print for the failures in `completions` (`batch` at `step`: "the batch", "a
+        validation batch") that are of a kind not reported before. Raises EnvironmentFailed, one line, when
+        every episode failed."""
+        errors = [error for c in completions if (error := getattr(c, "error", None))]
+        if not errors:
+            return []
+        first: dict[str, str] = {}
+        count: dict[str, int] = {}
+        for error in errors:
+            kind = failure_kind(error)
+            first.setdefault(kind, error)
+            count[kind] = count.get(kind, 0) + 1
+        total = len(completions)
+        if len(errors) == total:
+            kind = max(count, key=count.get)
+            others = f", {total - count[kind]} others failing otherwise" if count[kind] < total else ""
+            self.seen.update(count)
+            raise EnvironmentFailed(
+                f"environment {first[kind]}: every episode of {batch} at step {step} failed ({count[kind]} of "
+                f"{total} this way{others}), so there is nothing to train on: fix the environment"
+            )
+        lines = [
+            f"environment {first[kind]} ({count[kind]} of {total} episodes of {batch} at step {step} failed "
+            f"this way; later failures of this kind are only counted, in env/env_errors_per_sample)"
+            for kind in count
+            if kind not in self.seen
+        ]
+        self.seen.update(count)
+        return lines
