@@ -294,8 +294,9 @@ class ActorConfig(TrainedRoleConfig):
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
-    """Policy objective: ppo (token ratio, clipped), gspo (sequence ratio, clipped; use a tiny clip range like
-    3e-4/4e-4), cispo (clipped, detached ratio times log-prob); clip_low/clip_high bound each one's ratio."""
+    """Policy objective: ppo (token ratio, clipped), gspo (sequence ratio, clipped; choosing it makes 3e-4/4e-4
+    clipping and seq-mean-token-mean the defaults of the keys not set), cispo (clipped, detached ratio times
+    log-prob; clip_low=1 bounds it from above only); clip_low/clip_high bound each one's ratio."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )

@@ -217,7 +217,10 @@ RANGES: dict[str, Range] = {
     **{f"{role}.{name}": rule for role in ROLES for name, rule in _ROLE_RANGES.items()},
     **{f"{role}.{name}": rule for role in TRAINED_ROLES for name, rule in _TRAINED_RANGES.items()},
     "actor.clip_low": Range(
-        0, 1, low_open=True, high_open=True, hint="the ratio is clipped to [1 - clip_low, 1 + clip_high]"
+        0,
+        1,
+        low_open=True,
+        hint="the ratio is clipped to [1 - clip_low, 1 + clip_high]; 1 bounds it from above only (CISPO's choice)",
     ),
     "actor.clip_high": POSITIVE,
     "actor.dual_clip": Range(1, low_open=True, off=0),
@@ -542,10 +545,27 @@ def tiny_model_lr_warning(cfg: Any) -> str:
     )
 
 
+GSPO_CLIP = 0.01
+"""Above this clip range GSPO's sequence ratio (a geometric mean of token ratios) is almost never clipped."""
+
+
+def gspo_clip_warning(cfg: Any) -> str:
+    """A line for a GSPO run whose clip range was set wide (token-level PPO's 0.2 carried over), else ""."""
+    a = cfg.actor
+    if a.policy_loss != "gspo" or max(a.clip_low, a.clip_high) <= GSPO_CLIP:
+        return ""
+    return (
+        f"warning: actor.policy_loss=gspo clips a sequence ratio, which rarely leaves 1 +- {GSPO_CLIP:g}; "
+        f"actor.clip_low={a.clip_low:g} and actor.clip_high={a.clip_high:g} clip almost nothing: the paper uses "
+        f"3e-4 and 4e-4 (the defaults with gspo when neither is set)"
+    )
+
+
 def start_warnings(cfg: Any) -> list[str]:
     """The lines a run prints before it starts and then goes on: settings that are valid but almost surely not
     what was meant."""
-    return [line for line in (gpu_dtype_warning(cfg), tiny_model_lr_warning(cfg)) if line]
+    lines = (gpu_dtype_warning(cfg), tiny_model_lr_warning(cfg), gspo_clip_warning(cfg))
+    return [line for line in lines if line]
 
 
 def _check_batches(cfg: Any) -> None:

@@ -235,6 +235,11 @@ DEPENDENT_DEFAULTS: dict[str, dict[Any, dict[str, Any]]] = {
         "reward": {"algorithm.kl_estimator": "k1"},
         "loss": {"algorithm.kl_estimator": "k3"},
     },
+    # GSPO clips a sequence ratio, the geometric mean of its token ratios, which rarely leaves 1 +- 0.01: the
+    # paper's range is 3e-4/4e-4, over the mean of each response's token mean (Zheng et al. 2025).
+    "actor.policy_loss": {
+        "gspo": {"actor.loss_agg_mode": "seq-mean-token-mean", "actor.clip_low": 3e-4, "actor.clip_high": 4e-4},
+    },
     # vLLM engines on GPUs of their own take most of them; beside the trainers, half.
     "placement.colocate_all": {
         True: {"rollout.gpu_memory_utilization": 0.5},

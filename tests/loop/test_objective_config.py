@@ -108,3 +108,28 @@ def test_gspo_preset() -> None:
     assert (cfg.actor.clip_low, cfg.actor.clip_high) == (3e-4, 4e-4)
     assert (cfg.algorithm.kl_mode, cfg.algorithm.kl_estimator) == ("loss", "k3")
     assert cfg.trainer.run_dir == "runs/gspo"
+
+
+def test_choosing_gspo_sets_the_papers_clip_range_and_aggregation_unless_set() -> None:
+    """GSPO's ratio is a sequence's geometric mean: token-level PPO's 0.2 would clip almost nothing."""
+    from cloudrl.trainer.config_checks import start_warnings
+
+    a = load_config("local", ["actor.policy_loss=gspo"]).actor
+    assert (a.clip_low, a.clip_high, a.loss_agg_mode) == (3e-4, 4e-4, "seq-mean-token-mean")
+    # Keys set anywhere win, whatever their order; ppo and cispo keep the code's defaults.
+    a = load_config("local", ["actor.clip_high=0.2", "actor.policy_loss=gspo", "actor.loss_agg_mode=token-mean"]).actor
+    assert (a.clip_low, a.clip_high, a.loss_agg_mode) == (3e-4, 0.2, "token-mean")
+    for loss in ("ppo", "cispo"):
+        a = load_config("local", [f"actor.policy_loss={loss}"]).actor
+        assert (a.clip_low, a.clip_high, a.loss_agg_mode) == (0.2, 0.2, "token-mean")
+    # A wide range set by hand is allowed, and said at start.
+    (line,) = start_warnings(load_config("local", ["actor.policy_loss=gspo", "actor.clip_high=0.2"]))
+    assert "actor.policy_loss=gspo" in line and "actor.clip_high=0.2" in line and "3e-4 and 4e-4" in line
+    assert start_warnings(load_config("gspo")) == start_warnings(load_config("local", ["actor.policy_loss=gspo"])) == []
+
+
+def test_cispo_may_bound_its_weight_from_above_only() -> None:
+    """clip_low=1 leaves the weight's lower bound at 0 (ratios are positive): CISPO's usual choice."""
+    assert load_config("local", ["actor.policy_loss=cispo", "actor.clip_low=1"]).actor.clip_low == 1.0
+    with pytest.raises(ConfigError, match=r"actor.clip_low must be in \(0, 1\]"):
+        load_config("local", ["actor.clip_low=1.5"])

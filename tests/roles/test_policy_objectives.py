@@ -34,6 +34,8 @@ def test_update_is_the_same_whatever_the_micro_batches(objective, mode):
     overrides = [
         f"actor.policy_loss={objective}",
         f"actor.loss_agg_mode={mode}",
+        "actor.clip_low=0.2",  # one range for all three (gspo's own default would clip every sequence here)
+        "actor.clip_high=0.2",
         "actor.mini_batch_size=16",
         "actor.lr=1e-3",
         "actor.entropy_coef=0.01",
