@@ -453,6 +453,20 @@ class Config:
         return self.data.train_batch_size * self.rollout.n
 
     @property
+    def response_limit_key(self) -> str:
+        """The key that bounds a response's tokens (multi-turn: observations included)."""
+        if self.rollout.environment:
+            return "rollout.max_episode_tokens"
+        return "search.max_response_tokens" if self.search.enabled else "rollout.max_new_tokens"
+
+    @property
+    def response_limit(self) -> int:
+        """The longest response the sampler may produce, in tokens: the constant of the overlong penalty and of
+        actor.loss_agg_mode=seq-mean-token-sum-norm, and what the memory plan sizes."""
+        section, key = self.response_limit_key.split(".")
+        return getattr(getattr(self, section), key)
+
+    @property
     def corrects_logprobs(self) -> bool:
         """The loss is reweighted by trainer-vs-sampler importance weights (asked for, or lagging rollouts)."""
         return self.rollout.logprob_correction or self.rollout.policy_lag > 0

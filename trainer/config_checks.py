@@ -426,14 +426,6 @@ def _check_lora(cfg: Any) -> None:
         )
 
 
-def response_limit(cfg: Any) -> int:
-    """The longest response the sampler may produce, in tokens (the constant of the overlong penalty and
-    of actor.loss_agg_mode=seq-mean-token-sum-norm)."""
-    if cfg.rollout.environment:
-        return cfg.rollout.max_episode_tokens
-    return cfg.search.max_response_tokens if cfg.search.enabled else cfg.rollout.max_new_tokens
-
-
 def _check_objective(cfg: Any) -> None:
     """Combinations of the loss and advantage keys that cannot work as written."""
     a, actor = cfg.algorithm, cfg.actor
@@ -448,12 +440,10 @@ def _check_objective(cfg: Any) -> None:
             f"actor.dual_clip is PPO's and does nothing with actor.policy_loss={actor.policy_loss}: "
             f"set actor.dual_clip=0, or actor.policy_loss=ppo"
         )
-    limit_key = "search.max_response_tokens" if cfg.search.enabled else "rollout.max_new_tokens"
-    limit_key = "rollout.max_episode_tokens" if cfg.rollout.environment else limit_key
-    if a.overlong_buffer > response_limit(cfg):
+    if a.overlong_buffer > cfg.response_limit:
         raise ConfigError(
             f"algorithm.overlong_buffer={a.overlong_buffer} is longer than the response limit "
-            f"{limit_key}={response_limit(cfg)}: set it to at most that (0 = no overlong penalty)"
+            f"{cfg.response_limit_key}={cfg.response_limit}: set it to at most that (0 = no overlong penalty)"
         )
     if a.overlong_buffer and not a.overlong_penalty:
         raise ConfigError(

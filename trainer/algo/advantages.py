@@ -14,13 +14,6 @@ if TYPE_CHECKING:  # algo/ imports torch and itself only; the config is read, ne
     from ..config import Config
 
 
-def response_limit(cfg: Config) -> int:
-    """The longest response the sampler may produce, in tokens (multi-turn: observations included)."""
-    if cfg.rollout.environment:
-        return cfg.rollout.max_episode_tokens
-    return cfg.search.max_response_tokens if cfg.search.enabled else cfg.rollout.max_new_tokens
-
-
 def kl_controller(cfg: Config) -> pm.FixedKLController | pm.AdaptiveKLController:
     """The KL coefficient the step's advantages (kl_mode=reward) or loss (kl_mode=loss) use: adaptive
     toward algorithm.kl_target when one is set, else fixed at algorithm.kl_coef."""
@@ -41,7 +34,7 @@ def compute_advantages(cfg: Config, batch: Batch, scores: torch.Tensor, kl_coef:
     gen = batch.get("loss_mask", mask)  # generated tokens (multi-turn: GAE spans observations, KL does not)
     metrics: dict[str, float] = {}
     if alg.overlong_buffer:
-        penalty = pm.overlong_penalty(mask.sum(-1), response_limit(cfg), alg.overlong_buffer, alg.overlong_penalty)
+        penalty = pm.overlong_penalty(mask.sum(-1), cfg.response_limit, alg.overlong_buffer, alg.overlong_penalty)
         scores = scores + penalty.to(scores.dtype)
         metrics["rollout/overlong_penalty_mean"] = float(penalty.mean())
     kl = None

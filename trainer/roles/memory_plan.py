@@ -335,9 +335,7 @@ def _trained(cfg: Config, role: str, shape: ModelShape) -> _Trained:
 
 def _lengths(cfg: Config) -> tuple[int, int]:
     """(prompt, response) budgets in tokens."""
-    from ..algo.advantages import response_limit
-
-    return cfg.data.max_prompt_length, response_limit(cfg)
+    return cfg.data.max_prompt_length, cfg.response_limit
 
 
 def _micro(cfg: Config, role: str) -> tuple[float, float, str]:

@@ -22,7 +22,6 @@ import time
 import torch
 
 from ..algo import ppo_math as pm
-from ..algo.advantages import response_limit
 from ..algo.batch import Batch, from_wire, to_wire
 from ..errors import TrainerError
 from ..metrics import Accumulator
@@ -159,7 +158,7 @@ class PolicyWorker(TrainableWorker):
         per_rank = shard.size // len(normalizers)
         acc = Accumulator()
         kl_in_loss = alg.kl_mode == "loss" and kl_coef > 0 and "ref_logprobs" in shard
-        agg = {"agg_mode": actor_cfg.loss_agg_mode, "max_len": response_limit(self.cfg)}
+        agg = {"agg_mode": actor_cfg.loss_agg_mode, "max_len": self.cfg.response_limit}
         for mini, norm in zip(shard.chunks(per_rank), normalizers):
             groups = micro_batches(
                 mini,
