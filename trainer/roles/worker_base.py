@@ -13,7 +13,7 @@ import gc
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -24,8 +24,9 @@ from ..algo.batch import Batch, position_ids
 from ..config import config_from_dict
 from ..errors import TrainerError
 from ..inputs.models import dtype_of
+from ..metrics import Accumulator
 from .fsdp import ModelKind
-from .packing import pack, use_attention
+from .packing import micro_batches, pack, use_attention
 
 
 def forward_logprobs(
@@ -325,6 +326,29 @@ class TrainableWorker(WorkerBase):
         acc.add(f"perf/{self.role}_tokens_per_s_per_worker", float(shard["attention_mask"].sum()) / seconds, 1.0)
         for name, gib in memory_peaks(self.device).items():
             acc.peak(f"memory/{self.role}_{name}_gib", gib)
+
+    def _mini_batch_updates(
+        self, shard: Batch, normalizers: list[float], micro_loss: Callable[[Batch, float, Accumulator], torch.Tensor]
+    ) -> Accumulator:
+        """The update loop of both trained roles: this rank's part of every mini-batch (`normalizers[i]`: mini-batch
+        i's global loss count) in micro-batches, each micro-batch's `micro_loss(micro, normalizer, acc)` (which adds
+        its statistics to `acc`) backpropagated, then one optimizer step per mini-batch."""
+        rc = getattr(self.cfg, self.role)
+        per_rank = shard.size // len(normalizers)
+        acc = Accumulator()
+        for mini, norm in zip(shard.chunks(per_rank), normalizers):
+            groups = micro_batches(
+                mini,
+                rc.micro_batch_size,
+                rc.max_tokens_per_micro_batch,
+                self.cfg.model.pack_sequences,
+                self.device if self.sharded else None,  # sharded ranks run as many micro-batches
+            )
+            for _, micro in groups:
+                loss = micro_loss(to_device(micro, self.device), norm, acc)
+                (loss * self.grad_scale).backward()
+            acc.add(f"{self.role}/grad_norm", self._step(rc.grad_clip), 1.0)
+        return acc
 
     def _step(self, grad_clip: float) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -155,67 +155,58 @@ class PolicyWorker(TrainableWorker):
     def _ppo_epochs(self, shard: Batch, normalizers: list[float], kl_coef: float) -> Accumulator:
         actor_cfg = self.cfg.actor
         alg = self.cfg.algorithm
-        per_rank = shard.size // len(normalizers)
-        acc = Accumulator()
         kl_in_loss = alg.kl_mode == "loss" and kl_coef > 0 and "ref_logprobs" in shard
         agg = {"agg_mode": actor_cfg.loss_agg_mode, "max_len": self.cfg.response_limit}
-        for mini, norm in zip(shard.chunks(per_rank), normalizers):
-            groups = micro_batches(
-                mini,
-                actor_cfg.micro_batch_size,
-                actor_cfg.max_tokens_per_micro_batch,
-                self.cfg.model.pack_sequences,
-                self.device if self.sharded else None,  # sharded ranks run as many micro-batches
-            )
-            for _, micro in groups:
-                micro = to_device(micro, self.device)
-                mask = micro["response_mask"]
-                # Statistics stay on the device (0-dim tensors); the Accumulator reads them back once, after the loop.
-                tokens = mask.sum()
-                with self.autocast():
-                    logprobs, entropy = self._logprobs(
-                        self.model, micro, entropy="grad" if actor_cfg.entropy_coef else "metric"
-                    )
-                if "old_logprobs" in micro:
-                    old = micro["old_logprobs"]
-                else:  # on-policy: this forward pass is the sampling policy's (see Trainer.on_policy)
-                    old = logprobs.detach()
-                    if "engine_logprobs" in micro:
-                        diff = pm.masked_mean((old - micro["engine_logprobs"]).abs(), mask)
-                        acc.add("rollout/logprob_diff", diff.detach(), tokens)
-                        if self.cfg.corrects_logprobs:  # the importance weights, from this same pass
-                            weights, is_stats = pm.truncated_importance_weights(
-                                old, micro["engine_logprobs"], mask, self.cfg.rollout.logprob_correction_cap
-                            )
-                            micro["is_weights"] = weights
-                            for name, value in is_stats.items():
-                                acc.add(f"rollout/{name}", value, tokens)
-                advantages = micro["advantages"]
-                if "is_weights" in micro:  # truncated importance weights: trainer over sampler
-                    advantages = advantages * micro["is_weights"]
-                clip = (actor_cfg.clip_low, actor_cfg.clip_high)
-                if actor_cfg.policy_loss == "gspo":
-                    loss, stats = pm.gspo_policy_loss(logprobs, old, advantages, mask, *clip, norm, **agg)
-                elif actor_cfg.policy_loss == "cispo":
-                    loss, stats = pm.cispo_policy_loss(logprobs, old, advantages, mask, *clip, norm, **agg)
-                else:
-                    loss, stats = pm.policy_loss(
-                        logprobs, old, advantages, mask, *clip, actor_cfg.dual_clip or None, norm, **agg
-                    )
-                # The micro-batch's own loss, weighted by its own count: their mean is the mini-batch's loss.
-                local = pm.loss_count(mask, actor_cfg.loss_agg_mode).double()
-                acc.add("actor/pg_loss", loss.detach().double() * norm / local, local)
-                if actor_cfg.entropy_coef:
-                    loss = loss - actor_cfg.entropy_coef * pm.aggregate_loss(entropy, mask, norm, **agg)
-                if kl_in_loss:
-                    kl = pm.kl_estimate(logprobs, micro["ref_logprobs"], alg.kl_estimator)
-                    loss = loss + kl_coef * pm.aggregate_loss(kl, mask, norm, **agg)
-                    acc.add("actor/kl_loss", pm.masked_mean(kl, mask).detach(), tokens)
-                (loss * self.grad_scale).backward()
-                acc.add("actor/entropy", pm.masked_mean(entropy.detach(), mask), tokens)
-                for name, value in stats.items():
-                    acc.add(f"actor/{name}", value, tokens)
-            acc.add("actor/grad_norm", self._step(actor_cfg.grad_clip), 1.0)
+
+        def micro_loss(micro: Batch, norm: float, acc: Accumulator) -> torch.Tensor:
+            mask = micro["response_mask"]
+            # Statistics stay on the device (0-dim tensors); the Accumulator reads them back once, after the loop.
+            tokens = mask.sum()
+            with self.autocast():
+                logprobs, entropy = self._logprobs(
+                    self.model, micro, entropy="grad" if actor_cfg.entropy_coef else "metric"
+                )
+            if "old_logprobs" in micro:
+                old = micro["old_logprobs"]
+            else:  # on-policy: this forward pass is the sampling policy's (see Trainer.on_policy)
+                old = logprobs.detach()
+                if "engine_logprobs" in micro:
+                    diff = pm.masked_mean((old - micro["engine_logprobs"]).abs(), mask)
+                    acc.add("rollout/logprob_diff", diff.detach(), tokens)
+                    if self.cfg.corrects_logprobs:  # the importance weights, from this same pass
+                        weights, is_stats = pm.truncated_importance_weights(
+                            old, micro["engine_logprobs"], mask, self.cfg.rollout.logprob_correction_cap
+                        )
+                        micro["is_weights"] = weights
+                        for name, value in is_stats.items():
+                            acc.add(f"rollout/{name}", value, tokens)
+            advantages = micro["advantages"]
+            if "is_weights" in micro:  # truncated importance weights: trainer over sampler
+                advantages = advantages * micro["is_weights"]
+            clip = (actor_cfg.clip_low, actor_cfg.clip_high)
+            if actor_cfg.policy_loss == "gspo":
+                loss, stats = pm.gspo_policy_loss(logprobs, old, advantages, mask, *clip, norm, **agg)
+            elif actor_cfg.policy_loss == "cispo":
+                loss, stats = pm.cispo_policy_loss(logprobs, old, advantages, mask, *clip, norm, **agg)
+            else:
+                loss, stats = pm.policy_loss(
+                    logprobs, old, advantages, mask, *clip, actor_cfg.dual_clip or None, norm, **agg
+                )
+            # The micro-batch's own loss, weighted by its own count: their mean is the mini-batch's loss.
+            local = pm.loss_count(mask, actor_cfg.loss_agg_mode).double()
+            acc.add("actor/pg_loss", loss.detach().double() * norm / local, local)
+            if actor_cfg.entropy_coef:
+                loss = loss - actor_cfg.entropy_coef * pm.aggregate_loss(entropy, mask, norm, **agg)
+            if kl_in_loss:
+                kl = pm.kl_estimate(logprobs, micro["ref_logprobs"], alg.kl_estimator)
+                loss = loss + kl_coef * pm.aggregate_loss(kl, mask, norm, **agg)
+                acc.add("actor/kl_loss", pm.masked_mean(kl, mask).detach(), tokens)
+            acc.add("actor/entropy", pm.masked_mean(entropy.detach(), mask), tokens)
+            for name, value in stats.items():
+                acc.add(f"actor/{name}", value, tokens)
+            return loss
+
+        acc = self._mini_batch_updates(shard, normalizers, micro_loss)
         acc.add("actor/lr", self.scheduler.get_last_lr()[0], 1.0)
         return acc
 
@@ -340,30 +331,21 @@ class CriticWorker(TrainableWorker):
     def update(self, shard: Batch, normalizers: list[float]) -> UpdateResult:
         start = time.perf_counter()
         critic_cfg = self.cfg.critic
-        per_rank = shard.size // len(normalizers)
-        acc = Accumulator()
-        for mini, norm in zip(shard.chunks(per_rank), normalizers):
-            groups = micro_batches(
-                mini,
-                critic_cfg.micro_batch_size,
-                critic_cfg.max_tokens_per_micro_batch,
-                self.cfg.model.pack_sequences,
-                self.device if self.sharded else None,  # sharded ranks run as many micro-batches
+
+        def micro_loss(micro: Batch, norm: float, acc: Accumulator) -> torch.Tensor:
+            mask = micro["response_mask"]
+            with self.autocast():
+                values = self._values(micro)
+            loss, stats = pm.value_loss(
+                values, micro["values"], micro["returns"], mask, critic_cfg.clip_value or None, normalizer=norm
             )
-            for _, micro in groups:
-                micro = to_device(micro, self.device)
-                mask = micro["response_mask"]
-                with self.autocast():
-                    values = self._values(micro)
-                loss, stats = pm.value_loss(
-                    values, micro["values"], micro["returns"], mask, critic_cfg.clip_value or None, normalizer=norm
-                )
-                (loss * self.grad_scale).backward()
-                tokens = mask.sum()  # on the device, like the statistics: read back once, after the loop
-                acc.add("critic/vf_loss", loss.detach().double() * norm / tokens.double().clamp(min=1.0), tokens)
-                for name, value in stats.items():
-                    acc.add(f"critic/{name}", value, tokens)
-            acc.add("critic/grad_norm", self._step(critic_cfg.grad_clip), 1.0)
+            tokens = mask.sum()  # on the device, like the statistics: read back once, after the loop
+            acc.add("critic/vf_loss", loss.detach().double() * norm / tokens.double().clamp(min=1.0), tokens)
+            for name, value in stats.items():
+                acc.add(f"critic/{name}", value, tokens)
+            return loss
+
+        acc = self._mini_batch_updates(shard, normalizers, micro_loss)
         add_utilisation(self, acc, start, shard)
         self.add_step_stats(acc, start, shard)
         return UpdateResult(acc.result())
