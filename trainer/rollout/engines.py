@@ -168,6 +168,63 @@ class RolloutEngine(Protocol):
     def wake_kv_cache(self) -> None: ...
 
 
+class SleepingEngine:
+    """Sleep and wake of an engine that frees its GPU memory while the policy trains (vLLM's sleep mode,
+    SGLang's memory saver), and the state that keeps it from generating on freed memory. An engine sets
+    `name`, `can_sleep`, `_release()` (free weights and KV cache) and `_resume(step)` ("weights" or
+    "kv_cache"), calls `check_awake()` before it generates and clears `stale` once new weights are in."""
+
+    name = "rollout"
+    can_sleep = False
+    _sleeping: frozenset[str] | set[str] = frozenset()
+    """The wake steps freed by sleep() and not woken yet."""
+    stale = False
+    """True after a sleep until new weights arrive: generating then would read freed memory."""
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def _resume(self, step: str) -> None:
+        raise NotImplementedError
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._sleeping)
+
+    def check_awake(self) -> None:
+        if self.asleep or self.stale:
+            raise RuntimeError(
+                f"the {self.name} engine is asleep or has no weights since its last sleep: "
+                "call wake() and then load_weights() before generate()"
+            )
+
+    def sleep(self) -> None:
+        """Free the weights and the KV cache (the weights are not kept: new ones come after every update)."""
+        if self.can_sleep and not self.asleep:
+            self._release()
+            self._sleeping = {"weights", "kv_cache"}
+            self.stale = True
+
+    def wake_weights(self) -> None:
+        """Reallocate the weights only: the first step of the colocated order wake weights, push weights,
+        wake KV cache."""
+        self._wake("weights")
+
+    def wake_kv_cache(self) -> None:
+        """Reallocate the KV cache: the last step, once the new weights are in."""
+        self._wake("kv_cache")
+
+    def wake(self) -> None:
+        """Reallocate weights and KV cache; load weights (or sync them) before generating."""
+        self.wake_weights()
+        self.wake_kv_cache()
+
+    def _wake(self, step: str) -> None:
+        if step in self._sleeping:
+            self._resume(step)
+            self._sleeping = self._sleeping - {step}
+
+
 class HFEngine:
     """Generation with transformers' `generate`, on CPU or one GPU."""
 

@@ -38,7 +38,7 @@ from collections.abc import Iterable
 import torch
 
 from ..config import ConfigError
-from .engines import Completion, SamplingSettings
+from .engines import Completion, SamplingSettings, SleepingEngine
 from .vllm_engine import call_seed, engines_sleep
 
 SGLANG_VERSION = "0.5.23"
@@ -138,9 +138,12 @@ def _check(what: str, result) -> None:
         raise RuntimeError(f"SGLang could not {what}: {result[1] if len(result) > 1 else 'no reason given'}")
 
 
-class SGLangEngine:
+class SGLangEngine(SleepingEngine):
     """Generation with SGLang's offline engine; weights updated in memory. One engine per RolloutWorker
-    actor (`engine_index`: its rank among the engines)."""
+    actor (`engine_index`: its rank among the engines). Sleeps only with the memory saver
+    (rollout.sleep_between_rollouts, placement.colocate_all)."""
+
+    name = "SGLang"
 
     def __init__(self, model_path: str, cfg, engine_index: int = 0):
         check_sglang_available()
@@ -155,19 +158,9 @@ class SGLangEngine:
         self.engine_index = engine_index
         self.sleeps = engines_sleep(cfg)
         self.engine = sglang.Engine(**engine_args(cfg, model_path, engine_index))
-        self._sleeping: set[str] = set()
-        self.stale = False  # after a sleep, until new weights arrive
-
-    @property
-    def asleep(self) -> bool:
-        return bool(self._sleeping)
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]:
-        if self.asleep or self.stale:
-            raise RuntimeError(
-                "the SGLang engine is asleep or has no weights since its last sleep: "
-                "call wake() and then load_weights() before generate()"
-            )
+        self.check_awake()
         rows, params = request_batch(prompts, settings, self.engine_index)
         outputs = self.engine.generate(input_ids=rows, sampling_params=params, return_logprob=True)
         return [completion(out) for out in outputs]
@@ -210,24 +203,13 @@ class SGLangEngine:
     def finish_weight_update(self) -> None:
         self.stale = False
 
-    # Sleep: only with the memory saver (rollout.sleep_between_rollouts, placement.colocate_all).
-    def sleep(self) -> None:
-        if self.sleeps and not self.asleep:
-            self.engine.release_memory_occupation()
-            self._sleeping = set(MEMORY_TAGS)
-            self.stale = True
+    # Sleep (SleepingEngine): the memory saver releases every tag at once, and each wake step resumes its tags.
+    @property
+    def can_sleep(self) -> bool:
+        return self.sleeps
 
-    def wake_weights(self) -> None:
-        self._wake("weights")
+    def _release(self) -> None:
+        self.engine.release_memory_occupation()
 
-    def wake_kv_cache(self) -> None:
-        self._wake("kv_cache")
-
-    def wake(self) -> None:
-        self.wake_weights()
-        self.wake_kv_cache()
-
-    def _wake(self, step: str) -> None:
-        if step in self._sleeping:
-            self.engine.resume_memory_occupation(tags=MEMORY_TAGS[step])
-            self._sleeping.discard(step)
+    def _resume(self, step: str) -> None:
+        self.engine.resume_memory_occupation(tags=MEMORY_TAGS[step])

@@ -65,7 +65,7 @@ import torch
 
 from ..config import ConfigError
 from . import vllm_compat
-from .engines import Completion, SamplingSettings
+from .engines import Completion, SamplingSettings, SleepingEngine
 
 MIN_VLLM = vllm_compat.MIN_VLLM
 MAX_VLLM = vllm_compat.MAX_VLLM  # exclusive
@@ -260,9 +260,12 @@ def call_seed(settings_seed: int, engine_index: int) -> int:
     return (settings_seed * 1_000_003 + engine_index * 7_919) % 2**63
 
 
-class VLLMEngine:
+class VLLMEngine(SleepingEngine):
     """Generation with vLLM; weights updated in memory. One engine per RolloutWorker actor (`engine_index`:
-    its rank among the engines)."""
+    its rank among the engines). Sleeps (level 2) on GPU with rollout.sleep_between_rollouts; on CPU, where
+    vLLM has no sleep mode, never."""
+
+    name = "vLLM"
 
     def __init__(self, model_path: str, cfg, engine_index: int = 0):
         check_vllm_available()
@@ -281,13 +284,6 @@ class VLLMEngine:
         self.engine_index = engine_index
         with _llvmlite_hidden():
             self.llm = LLM(**kwargs)
-        self._sleeping: set[str] = set()  # vLLM memory tags freed by sleep() and not woken yet
-        # True after a level-2 sleep until new weights arrive: generating then would read freed memory.
-        self.stale = False
-
-    @property
-    def asleep(self) -> bool:
-        return bool(self._sleeping)
 
     # ------------------------------------------------------------------------------------------
     # Generation
@@ -296,11 +292,7 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]:
         from vllm import SamplingParams
 
-        if self.asleep or self.stale:
-            raise RuntimeError(
-                "the vLLM engine is asleep or has no weights since its last sleep: "
-                "call wake() and then load_weights() before generate()"
-            )
+        self.check_awake()
         greedy = settings.greedy
         base = dict(
             n=settings.n,
@@ -363,36 +355,17 @@ class VLLMEngine:
         self.llm.finish_weight_update()
         self._weights_changed()
 
-    # ------------------------------------------------------------------------------------------
-    # Sleep mode (GPU with rollout.sleep_between_rollouts; a no-op on CPU, where vLLM has none)
-    # ------------------------------------------------------------------------------------------
+    # Sleep mode (SleepingEngine): level 2 frees the weights too, since the trainer sends new ones after every
+    # update; each wake step reallocates one of vLLM's memory tags.
+    @property
+    def can_sleep(self) -> bool:
+        return self.sleep_level > 0
 
-    def sleep(self) -> None:
-        """Free the weights and the KV cache while the policy trains (level 2: the weights are not
-        kept, since the trainer sends new ones after every update)."""
-        if self.sleep_level and not self.asleep:
-            self.llm.sleep(level=self.sleep_level)
-            self._sleeping = {"weights", "kv_cache"}
-            self.stale = True
+    def _release(self) -> None:
+        self.llm.sleep(level=self.sleep_level)
 
-    def wake_weights(self) -> None:
-        """Reallocate the weights only (empty after a level-2 sleep): the first step of the colocated
-        order wake weights, push weights, wake KV cache (module docstring)."""
-        self._wake("weights")
-
-    def wake_kv_cache(self) -> None:
-        """Reallocate the KV cache: the last step, once the new weights are in."""
-        self._wake("kv_cache")
-
-    def wake(self) -> None:
-        """Reallocate weights and KV cache; call `load_weights` (or a weight sync) before generating."""
-        self.wake_weights()
-        self.wake_kv_cache()
-
-    def _wake(self, tag: str) -> None:
-        if tag in self._sleeping:
-            self.llm.wake_up(tags=[tag])
-            self._sleeping.discard(tag)
+    def _resume(self, step: str) -> None:
+        self.llm.wake_up(tags=[step])
 
 
 @contextlib.contextmanager
