@@ -343,7 +343,7 @@ class RewardConfig(RoleConfig):
     url_weight: float = 1.0
     """Weight of the reward.url score."""
     url_timeout_s: float = 30.0
-    """Longest wait for one reward.url request; then it is retried."""
+    """Longest one reward.url request may take, from connecting to the answer's last byte; then it is retried."""
     url_retries: int = 3
     """Retries of a reward.url request that fails to connect, times out or gets HTTP 5xx/429 (with back-off)."""
     url_max_concurrency: int = 4
@@ -353,6 +353,9 @@ class RewardConfig(RoleConfig):
     url_token_env: str = ""
     """Name of an environment variable whose value goes to reward.url as `Authorization: Bearer`; the
     value itself never appears in the config or the logs."""
+    url_insecure_http: bool = False
+    """Let the url_token_env token go over plain http:// to a host other than this machine, where anyone on
+    the network path can read it (default: only https:// or a loopback address)."""
 
 
 @dataclass

@@ -332,8 +332,11 @@ def validate(cfg: Any) -> None:
 
 
 def _check_reward_url(cfg: Any) -> None:
-    """The reward.url keys: an http(s) address, a variable's name (never a token), time left to retry (the
-    numeric ranges are in RANGES)."""
+    """The reward.url keys: an http(s) address, a variable's name (never a token, never an infrastructure
+    secret's), a token only over https:// or to loopback (unless url_insecure_http), time left to retry
+    (the numeric ranges are in RANGES)."""
+    from .inputs.remote_reward import token_problem
+
     rw = cfg.reward
     if not rw.url.startswith(("http://", "https://")):
         raise ConfigError(
@@ -344,6 +347,9 @@ def _check_reward_url(cfg: Any) -> None:
             "reward.url_token_env must be the NAME of an environment variable holding the token (e.g. RM_TOKEN), "
             "not the token itself: export the token under a name and give the name"
         )
+    problem = token_problem(rw.url, rw.url_token_env, rw.url_insecure_http)
+    if problem:
+        raise ConfigError(problem)
     if 0 < rw.timeout_s <= rw.url_timeout_s:
         raise ConfigError(
             f"reward.url_timeout_s={rw.url_timeout_s:g} leaves no time to retry within reward.timeout_s="

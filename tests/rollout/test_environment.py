@@ -226,6 +226,56 @@ def test_tool_call_parsing():
     )
 
 
+READ_PATHS: list[str] = []
+
+
+def _read(name: str = "", path: str = "/safe") -> str:
+    READ_PATHS.append(path)
+    return f"{path}/{name}"
+
+
+class Reader(ToolEnvironment):
+    """A tool whose function has a parameter its schema leaves out (a default the model must not set)."""
+
+    tools = {"read": (tool_schema("read", "Reads a note.", {"name": {"type": "string"}}), _read)}
+
+
+def test_a_tool_gets_only_the_arguments_its_schema_declares():
+    READ_PATHS.clear()
+    env = Reader()
+    env.reset({})
+    step = env.step('<tool_call>{"name": "read", "arguments": {"name": "a", "path": "/etc/shadow"}}</tool_call>')
+    assert READ_PATHS == []  # the function never ran
+    assert step.info == {"tool_calls": 1, "tool_errors": 1}
+    assert "read takes no argument 'path'; its arguments are name" in step.observation
+    step = env.step('<tool_call>{"name": "read", "arguments": {"name": "a"}}</tool_call>')
+    assert step.info["tool_errors"] == 0 and "<tool_response>/safe/a</tool_response>" in step.observation
+    adder = Adder()
+    adder.reset({})
+    extra = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}</tool_call>')[0]
+    assert adder.call(extra) == {"error": "add takes no argument 'c'; its arguments are a, b"}
+
+
+def test_a_deeply_nested_call_is_a_tool_error_and_the_episode_goes_on(tok):
+    deep = "<tool_call>" + "[" * 5000 + "</tool_call>"
+    (call,) = parse_tool_calls(deep)
+    assert call.error.startswith("the call nests too deep")
+    as_string = '<tool_call>{"name": "add", "arguments": "' + "[" * 5000 + '"}</tool_call>'
+    assert parse_tool_calls(as_string)[0].error.startswith("the call nests too deep")
+    scripts = {"Q|": [deep, '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>', "3<eos>"]}
+    (c,), _ = _run(
+        tok,
+        scripts,
+        Adder,
+        limits=EpisodeLimits(4, 12000, 64, 5.0),
+        samples=[{"ground_truth": "3"}],
+        max_new_tokens=6000,
+    )
+    assert c.turns["tool_errors"] == 1 and c.turns["tool_calls"] == 2 and "env_errors" not in c.turns
+    assert c.turns[ENV_REWARD] == 1.0
+    assert episode_metrics([c])["env/tool_errors_per_sample"] == 1.0
+
+
 def test_tools_render_with_the_template_or_a_plain_block(tok):
     tools = Adder().schemas()
     plain = render_prompt(tok, [{"role": "user", "content": "1+2?"}], tools)  # the char tokenizer has no template

@@ -1,7 +1,7 @@
 """The retriever server's limits against the real server on 127.0.0.1: a small request cannot buy a huge
-reply, a deeply nested body is a 400 (not a traceback), a client that drips its request a byte at a time
-gets a 408 within the deadline, and connections past MAX_CLIENTS get a 503; each a one-line JSON error,
-and the server keeps serving. The trainer's client splits a batch past those bounds into requests the
+reply, a deeply nested body is a 400 (not a traceback), a missing Content-Length a 411 and a negative one
+a 400, a client that drips its request a byte at a time gets a 408 within the deadline, and connections
+past MAX_CLIENTS get a 503; each a one-line JSON error, and the server keeps serving. The trainer's client splits a batch past those bounds into requests the
 server accepts, keeping the queries' order."""
 
 from __future__ import annotations
@@ -72,6 +72,17 @@ def test_reply_size_is_bounded(server, monkeypatch):
 def test_deeply_nested_body_is_a_400(server):
     code, body = _post(server, raw=b"[" * 100_000 + b"]" * 100_000)
     assert code == 400 and "nests too deep" in _one_line(body)
+
+
+@pytest.mark.parametrize("length, status", [(None, 411), ("-1", 400), ("x", 400)])
+def test_a_missing_or_negative_content_length_is_answered_unread(server, length, status):
+    head = b"POST /retrieve HTTP/1.1\r\n" + (f"Content-Length: {length}\r\n".encode() if length else b"") + b"\r\n"
+    with socket.create_connection(("127.0.0.1", server.server_port), timeout=10) as s:
+        s.sendall(head + b'{"queries": ["rock"]}')  # a body the server never reads
+        answer = s.makefile("rb").read()
+    assert answer.startswith(f"HTTP/1.0 {status} ".encode()), answer[:200]
+    assert f"at most {rs.MAX_BODY_BYTES} bytes" in _one_line(json.loads(answer.split(b"\r\n\r\n", 1)[1]))
+    assert _post(server, {"queries": ["rock"]})[0] == 200
 
 
 def test_a_dripping_client_gets_408_within_the_deadline(server):

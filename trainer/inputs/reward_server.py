@@ -5,11 +5,15 @@
     python -m cloudrl.trainer.inputs.reward_server --model /models/rm --port 8900 --device cuda
 
     POST /score   {"items": [{"prompt": ..., "response": ..., "ground_truth": ...}, ...]}
-              ->  {"scores": [...]}           (errors: {"error": "..."} with HTTP 400 or 500)
+              ->  {"scores": [...]}           (errors: {"error": "..."} with HTTP 4xx or 500)
     GET /health   {"ok": true}
 
 It binds 127.0.0.1 unless told otherwise, and refuses any other address without `--token-env NAME`
-(requests must then send `Authorization: Bearer <value of NAME>`). A model scores `prompt + response`
+(requests must then send `Authorization: Bearer <value of NAME>`). A request needs a Content-Length of
+at most MAX_BODY_BYTES (411 without one, 400 for a negative one, 413 past it, each answered unread) and
+must arrive whole within twice `--timeout-s` (408), a client silent for `--timeout-s` is dropped, and at
+most MAX_CLIENTS (64) connections are served at once (more get 503): the retriever server's limits,
+defined once in trainer/search/retriever_server.py. A model scores `prompt + response`
 by its first logit, as `reward.model_path` does. An LLM judge is not built in: serve one with
 `--function` pointing at your own function that asks it.
 """
@@ -23,7 +27,8 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from ..search.retriever_server import LimitedHandler, LimitedServer
 
 MAX_BODY_BYTES = 64 << 20
 """Largest request accepted (a batch of long responses fits easily)."""
@@ -32,32 +37,24 @@ Scorer = Callable[[list[dict]], list[float]]
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-class RewardServer(ThreadingHTTPServer):
-    daemon_threads = True
+class RewardServer(LimitedServer):
+    """`timeout_s`: a client silent this long is dropped; its request must arrive whole within twice it."""
 
-    def __init__(self, address: tuple[str, int], scorer: Scorer, token: str = ""):
-        super().__init__(address, _Handler)
+    what = "the reward server"
+
+    def __init__(self, address: tuple[str, int], scorer: Scorer, token: str = "", timeout_s: float = 60.0):
         self.scorer, self.token = scorer, token
         # One batch at a time: a model's forward passes and most reward functions are not thread-safe.
         self.lock = threading.Lock()
+        super().__init__(address, _Handler, timeout_s)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(LimitedHandler):
     server: RewardServer
-    timeout = 120  # a client silent this long is dropped
-
-    def log_message(self, format, *args) -> None:  # noqa: A002  (the base class's name)
-        pass  # one line per request would drown the server's own output
-
-    def _send(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self) -> None:
+        if not self._arrived():
+            return
         if self.path.rstrip("/") == "/health":
             self._send(200, {"ok": True})
         else:
@@ -65,21 +62,26 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         if self.path.rstrip("/") not in ("", "/score"):
-            self._send(404, {"error": "POST /score"})
+            refusal = (404, "POST /score")
+        elif self.server.token and not self._authorized():
+            refusal = (401, "missing or wrong Authorization: Bearer token")
+        else:
+            refusal = None
+        if refusal:
+            self.close_connection = True  # its body, if any, stays unread
+            if self._arrived():
+                self._send(refusal[0], {"error": refusal[1]})
             return
-        if self.server.token:
-            sent = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {self.server.token}".encode()):
-                self._send(401, {"error": "missing or wrong Authorization: Bearer token"})
-                return
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
-            self._send(413, {"error": f"request over {MAX_BODY_BYTES} bytes: send smaller batches"})
+        body = self.read_body(MAX_BODY_BYTES)
+        if body is None:
             return
         try:
-            items = json.loads(self.rfile.read(length))["items"]
+            items = json.loads(body)["items"]
             if not isinstance(items, list) or not all(isinstance(i, dict) and "response" in i for i in items):
                 raise ValueError("items must be a list of {prompt, response, ground_truth}")
+        except RecursionError:
+            self._send(400, {"error": 'the body nests too deep: send {"items": [{prompt, response, ground_truth}]}'})
+            return
         except (ValueError, KeyError, TypeError) as exc:
             self._send(400, {"error": f'expected {{"items": [{{prompt, response, ground_truth}}]}}: {exc}'})
             return
@@ -90,6 +92,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
             return
         self._send(200, {"scores": scores})
+
+    def _authorized(self) -> bool:
+        sent = self.headers.get("Authorization", "")
+        return hmac.compare_digest(sent.encode(), f"Bearer {self.server.token}".encode())
 
 
 def function_scorer(spec: str) -> Scorer:
@@ -142,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8900, help="port (0: any free one, printed)")
     parser.add_argument("--token-env", default="", help="environment variable holding the bearer token")
     parser.add_argument("--device", default="cpu", help="the model's device (cpu, cuda)")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=60.0,
+        help="drop a client silent this long; a request must arrive whole within twice it (default 60)",
+    )
     args = parser.parse_args(argv)
     token = os.environ.get(args.token_env, "") if args.token_env else ""
     if args.token_env and not token:
@@ -161,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = RewardServer((args.host, args.port), scorer, token)
+    server = RewardServer((args.host, args.port), scorer, token, args.timeout_s)
     host, port = server.server_address[:2]
     print(f"serving rewards on http://{host}:{port}/score", flush=True)
     try:

@@ -12,8 +12,9 @@ Calls are read in the Hermes/Qwen format, which Qwen2.5/Qwen3, Hermes and many f
     </tool_call>
 
 A turn may hold several calls. Each result goes back as `<tool_response>...</tool_response>`; a call
-that does not parse, names no known tool or whose tool raises is answered with an error in the same
-block (`{"error": "..."}`), so the model can try again: the episode goes on.
+that does not parse (nesting too deep included), names no known tool, names an argument its tool's
+schema does not declare, or whose tool raises is answered with an error in the same block
+(`{"error": "..."}`), so the model can try again: the episode goes on.
 
 `ToolEnvironment` is an environment (environment.py) that dispatches calls to Python functions: a turn
 without a call is the final answer and ends the episode; subclass it and override `score(sample,
@@ -41,6 +42,7 @@ TOOLS_SYSTEM = (
     '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
 """The plain system block for a chat template without tools support."""
+_TOO_DEEP = "the call nests too deep: write a flat JSON object"
 
 
 @dataclass
@@ -94,19 +96,32 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
 def _parse_one(body: str) -> ToolCall:
     try:
         obj = json.loads(body)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         return ToolCall(error=f"the call is not JSON ({exc.msg} at character {exc.pos})")
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        return ToolCall(error=_TOO_DEEP)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ToolCall(error='the call needs {"name": ..., "arguments": {...}}')
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
+        except RecursionError:
+            return ToolCall(obj["name"], error=_TOO_DEEP)
         except ValueError:
             pass
     if not isinstance(arguments, dict):
         return ToolCall(obj["name"], error="arguments must be a JSON object")
     return ToolCall(obj["name"], arguments)
+
+
+def declared_arguments(schema: dict) -> list[str]:
+    """The argument names a tool's schema declares (`function.parameters.properties`, or `parameters.
+    properties` of a bare function schema); none for a schema without them."""
+    function = schema.get("function", schema) if isinstance(schema, dict) else None
+    parameters = function.get("parameters") if isinstance(function, dict) else None
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    return list(properties) if isinstance(properties, dict) else []
 
 
 def tool_response(content: Any) -> str:
@@ -119,7 +134,9 @@ class ToolEnvironment:
     """Calls Python tools on the model's Hermes/Qwen-style tool calls.
 
     `tools` maps each name to (its JSON schema, the function); a function gets the call's arguments as
-    keywords and returns what goes into the `<tool_response>`. A turn without a call is the final
+    keywords and returns what goes into the `<tool_response>`. Only the arguments the schema declares
+    (`parameters.properties`) reach it: a call naming any other is answered with an error, so the model
+    cannot set a parameter the schema leaves out (a default, an option). A turn without a call is the final
     answer: `score(sample, answer)` rewards it (None by default) and the episode ends. `wrap` turns the
     responses of one turn into the observation (for a chat model: close the assistant turn, open a tool
     turn, and open the next assistant turn, as its template writes them)."""
@@ -158,7 +175,14 @@ class ToolEnvironment:
             return {"error": call.error}
         if call.name not in self.tools:
             return {"error": f"unknown tool {call.name!r}; the tools are {', '.join(self.tools) or 'none'}"}
-        _, fn = self.tools[call.name]
+        schema, fn = self.tools[call.name]
+        declared = declared_arguments(schema)
+        unknown = [name for name in call.arguments if name not in declared]
+        if unknown:  # a tool function's other parameters (defaults, options) are not the model's to set
+            return {
+                "error": f"{call.name} takes no argument {', '.join(repr(n)[:80] for n in unknown[:5])}; "
+                f"its arguments are {', '.join(declared) or 'none'}"
+            }
         try:
             return fn(**call.arguments)
         except Exception as exc:  # the model wrote a bad call: tell it, and let it try again

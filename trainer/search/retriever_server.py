@@ -236,24 +236,29 @@ def parse_request(body: bytes, default_topk: int) -> tuple[list[str], int, bool]
     return queries, topk, bool(req.get("return_scores", False))
 
 
-class RetrieverServer(ThreadingHTTPServer):
-    daemon_threads = True
+class LimitedServer(ThreadingHTTPServer):
+    """A thread per connection, at most `max_clients` at once (past that an immediate 503), for handlers
+    derived from `LimitedHandler`: `timeout_s` of silence drops a client, and a request must arrive whole
+    within twice that. The reward server (trainer/inputs/reward_server.py) is one too; the limits live here
+    because this file must stand alone on nodes without cloudrl."""
 
-    def __init__(self, address: tuple[str, int], index, topk: int = 3, timeout_s: float = 30.0):
-        self.index, self.topk, self.timeout_s = index, topk, timeout_s
-        self.queries_served = 0
-        self.lock = threading.Lock()  # one search at a time: the index is not thread-safe
-        self.clients = threading.BoundedSemaphore(MAX_CLIENTS)
+    daemon_threads = True
+    what = "the server"
+    """How 503 answers name it."""
+
+    def __init__(self, address: tuple[str, int], handler, timeout_s: float, max_clients: int = MAX_CLIENTS):
+        self.timeout_s, self.max_clients = timeout_s, max_clients
+        self.clients = threading.BoundedSemaphore(max_clients)
         self.slots: dict = {}
         """Each open connection's semaphore (`clients` when it was accepted), released by its own thread."""
-        super().__init__(address, _Handler)
+        super().__init__(address, handler)
 
     def process_request(self, request, client_address):
-        """A thread per connection, up to MAX_CLIENTS at once; past that an immediate 503."""
+        """A thread per connection, up to max_clients at once; past that an immediate 503."""
         clients = self.clients
         if not clients.acquire(blocking=False):
             try:
-                request.sendall(raw_answer(503, f"the retriever serves {MAX_CLIENTS} connections at once: retry"))
+                request.sendall(raw_answer(503, f"{self.what} serves {self.max_clients} connections at once: retry"))
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -272,6 +277,16 @@ class RetrieverServer(ThreadingHTTPServer):
         if isinstance(sys.exc_info()[1], OSError):
             return
         super().handle_error(request, client_address)
+
+
+class RetrieverServer(LimitedServer):
+    what = "the retriever"
+
+    def __init__(self, address: tuple[str, int], index, topk: int = 3, timeout_s: float = 30.0):
+        self.index, self.topk = index, topk
+        self.queries_served = 0
+        self.lock = threading.Lock()  # one search at a time: the index is not thread-safe
+        super().__init__(address, _Handler, timeout_s)
 
     def retrieve(self, queries: list[str], topk: int, with_scores: bool) -> list[list]:
         with self.lock:
@@ -293,8 +308,12 @@ class RetrieverServer(ThreadingHTTPServer):
         return [[docs[i] for i in row if i >= 0] for row in ids]
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: RetrieverServer
+class LimitedHandler(BaseHTTPRequestHandler):
+    """A handler for `LimitedServer`: a client silent for the server's `timeout_s` is dropped, and one
+    whose request has not arrived whole within twice that (a slow drip) gets a 408. Every answer is sent
+    after `_arrived()` (or `read_body`, which calls it) said True."""
+
+    server: LimitedServer
 
     def setup(self):
         self.timeout = self.server.timeout_s  # a client silent this long is dropped
@@ -340,6 +359,30 @@ class _Handler(BaseHTTPRequestHandler):
             self._deadline = None
             return True
 
+    def read_body(self, max_bytes: int) -> bytes | None:
+        """The request's body, whose Content-Length must be 0 to `max_bytes`: a missing one gets 411, one
+        that is negative or not a number 400, a larger one 413, each answered unread. None when refused,
+        when the deadline answered it, or when the client went away mid-body."""
+        raw = self.headers.get("Content-Length")
+        try:
+            length = -1 if raw is None else int(raw)
+        except ValueError:
+            length = -2
+        if not 0 <= length <= max_bytes:
+            self.close_connection = True
+            if not self._arrived():
+                return None
+            status = 411 if raw is None else 400 if length < 0 else 413
+            self._send(status, {"error": f"send a Content-Length of at most {max_bytes} bytes"})
+            return None
+        body = self.rfile.read(length)
+        if not self._arrived():
+            return None
+        if len(body) < length:  # the client went away mid-body
+            self.close_connection = True
+            return None
+        return body
+
     def log_message(self, format, *args):  # one line per request would flood a job's log
         pass
 
@@ -350,6 +393,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+class _Handler(LimitedHandler):
+    server: RetrieverServer
 
     def do_GET(self):
         if not self._arrived():
@@ -367,22 +414,8 @@ class _Handler(BaseHTTPRequestHandler):
             if not self._arrived():
                 return
             return self._send(404, {"error": f"no endpoint {self.path}: use POST /retrieve or GET /health"})
-        try:
-            length = int(self.headers.get("Content-Length") or -1)
-        except ValueError:
-            length = -1
-        if not 0 <= length <= MAX_BODY_BYTES:
-            self.close_connection = True
-            if not self._arrived():
-                return
-            return self._send(
-                400 if length < 0 else 413, {"error": f"send a Content-Length of at most {MAX_BODY_BYTES} bytes"}
-            )
-        body = self.rfile.read(length)
-        if not self._arrived():
-            return
-        if len(body) < length:  # the client went away mid-body
-            self.close_connection = True
+        body = self.read_body(MAX_BODY_BYTES)
+        if body is None:
             return
         try:
             queries, topk, with_scores = parse_request(body, self.server.topk)
