@@ -17,21 +17,26 @@ Each run gets (see sandbox_launcher.py for how):
   and TMPDIR the scratch directory, one-thread BLAS), so no tokens or keys; a PID namespace and a fresh
   /proc, so other processes' command lines and environments are out of sight;
 - a scratch directory of its own: a tmpfs of `memory_mb` over /tmp, its working directory, that vanishes
-  with the run; every other mount is read-only in its view, and as root it runs as an unprivileged uid/gid
-  of its own (not shared with other runs, so one run's processes count against no other's limit and
-  cannot signal another's);
+  with the run; every other mount is read-only and nosuid in its view, and as root it runs as an
+  unprivileged uid/gid of its own (not shared with other runs, so one run's processes count against no
+  other's limit and cannot signal another's);
+- no privileges: every capability dropped (bounding set included) and no_new_privs set before the code
+  starts, so neither uid 0 of its user namespace (without root) nor a setuid binary can undo the read-only
+  view; System V IPC (shared memory, semaphores, queues) of its own, gone with the run;
 - a lower CPU priority (nice 10) than the trainer.
 
 What it does not protect: files readable by everyone on the host (the code of the environment, /etc, a
 world-readable dataset) can be read; CPU cache and timing side channels; kernel exploits (this is
-namespaces and limits, not a virtual machine); and without root, where it uses a user namespace, it runs
-as the caller's user outside, so files that user can read are readable (writes are still blocked by the
-read-only view). It needs root or unprivileged user namespaces (Linux); where neither is possible it
+namespaces and limits, not a virtual machine); UNIX sockets on the host's filesystem that its uid may
+connect to; and without root, where it uses a user namespace, it runs as the caller's user outside, so
+files that user can read are readable (writes are still blocked by the read-only view). It needs root or
+unprivileged user namespaces (Linux), which it tries for real once per process; where neither works it
 refuses with SandboxUnavailable rather than run code unconfined.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -98,9 +103,10 @@ def run_python(code: str, limits: Limits = Limits(), stdin: str = "") -> Executi
     as_root = os.geteuid() == 0
     if not as_root and not _user_namespaces():
         raise SandboxUnavailable(
-            "the sandbox cannot isolate code here: it needs root or unprivileged user namespaces "
-            "(sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1); run the trainer as root "
-            "or enable them"
+            "the sandbox cannot isolate code here: it needs root or unprivileged user namespaces, and creating "
+            "one failed (see sysctl user.max_user_namespaces, kernel.unprivileged_userns_clone, "
+            "kernel.apparmor_restrict_unprivileged_userns, or the container's seccomp profile); run the trainer "
+            "as root or enable them"
         )
     status_read, status_write = os.pipe()
     ident = _UID_BASE + secrets.randbelow(1 << 24)
@@ -178,14 +184,22 @@ def _installation() -> list[str]:
     return list(dict.fromkeys(found))
 
 
+_NAMESPACES = 0x10000000 | 0x00020000 | 0x40000000 | 0x20000000 | 0x08000000  # user, mount, network, PID, IPC
+_PROBE = f"import ctypes, sys\nsys.exit(ctypes.CDLL(None, use_errno=True).unshare({_NAMESPACES}) != 0)\n"
+"""Enters user, mount, network, PID and IPC namespaces, as the launcher does: exit 0 where that works."""
+
+
+@functools.cache
 def _user_namespaces() -> bool:
-    """Whether this kernel lets an unprivileged user create user namespaces."""
+    """Whether this process's user may create the namespaces the launcher needs, tried for real in a child
+    (a sysctl answers for some kernels only, and containers refuse them in other ways). Asked once."""
     try:
-        if Path("/proc/sys/kernel/unprivileged_userns_clone").read_text().strip() == "0":
-            return False
-        return int(Path("/proc/sys/user/max_user_namespaces").read_text()) > 0
-    except (OSError, ValueError):
+        probe = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", _PROBE], env=_ENV, cwd="/", capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
         return False
+    return probe.returncode == 0
 
 
 def _collect(proc: subprocess.Popen, payload: bytes, status_fd: int, limits: Limits) -> tuple[list[bytes], bool]:

@@ -5,13 +5,16 @@ Standard library only, and run by path (not imported), so it starts in milliseco
 (`{"code": ..., "stdin": ...}` as JSON) from its stdin, then:
 
 1. leaves the trainer's namespaces: network (no interface but a downed loopback), mount (private, so
-   nothing it mounts reaches the host), PID (everything it starts dies with it); as a non-root user it
-   first enters a user namespace of its own, where it maps itself to root;
+   nothing it mounts reaches the host), PID (everything it starts dies with it), System V IPC (shared
+   memory, semaphores and message queues of its own, gone with it); as a non-root user it first enters a
+   user namespace of its own, where it maps itself to root;
 2. forks the first process of the new PID namespace, which mounts a fresh /proc (the trainer's processes,
    their command lines and environments are out of sight), a size-bounded tmpfs over /tmp (the scratch
    directory: the code, its stdin, whatever it writes; gone with the namespace), remounts every other
-   mount read-only, sets the resource limits, drops to an unprivileged uid/gid of its own (as root), and
-   execs `python -I main.py` with a minimal environment;
+   mount read-only and nosuid, sets the resource limits, drops to an unprivileged uid/gid of its own (as
+   root), drops every capability (bounding set, ambient, effective, permitted, inheritable; securebits
+   locked so that uid 0 of a user namespace regains none on exec), sets no_new_privs, and execs
+   `python -I main.py` with a minimal environment;
 3. waits for it and reports how it ended on the status pipe (`exit N` or `signal N`).
 
 A setup step that fails is reported as `error ...` on the status pipe and exit 125; the parent raises it.
@@ -28,6 +31,7 @@ import stat
 import sys
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -44,6 +48,14 @@ MS_PRIVATE = 1 << 18
 MS_RELATIME = 1 << 21
 MS_STRICTATIME = 1 << 24
 PR_SET_PDEATHSIG = 1
+PR_CAPBSET_DROP = 24
+PR_SET_SECUREBITS = 28
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+# SECBIT_NOROOT, SECBIT_NO_SETUID_FIXUP and SECBIT_KEEP_CAPS, each with its lock, but KEEP_CAPS itself unset.
+SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20
+_CAPABILITY_VERSION_3 = 0x20080522
 SIGKILL = 9
 
 # Per-mount flags a bind remount must repeat: in a user namespace the kernel refuses to clear locked ones.
@@ -98,8 +110,8 @@ def _mounts() -> list[tuple[str, int]]:
 
 def _enter_namespaces(as_root: bool) -> None:
     uid, gid = os.getuid(), os.getgid()
-    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | (0 if as_root else CLONE_NEWUSER)
-    _check(_libc.unshare(flags), "unshare (network, mount and PID namespaces)")
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | (0 if as_root else CLONE_NEWUSER)
+    _check(_libc.unshare(flags), "unshare (network, mount, PID and IPC namespaces)")
     if not as_root:
         # Root inside the user namespace, only to mount; outside it is still this user.
         with open("/proc/self/setgroups", "w") as f:
@@ -134,6 +146,31 @@ def _expose(paths: list[str]) -> None:
             os.close(handle)
 
 
+def _drop_bounding_set() -> None:
+    """Empty the capability bounding set: no exec, of a setuid binary or as uid 0, can grant one again."""
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"dropping capability {cap} from the bounding set")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _drop_capabilities() -> None:
+    """Clear the ambient, effective, permitted and inheritable sets, after the mounts and the uid change that
+    need them. In the user-namespace mode this is what keeps the program from undoing the read-only mounts."""
+    _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clearing the ambient capabilities")
+    header = _CapHeader(_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(header), data), "capset (dropping every capability)")
+
+
 def _wall_off(settings: dict, payload: dict) -> None:
     """In the first process of the new PID namespace: the filesystem view, the files, the limits, the user."""
     uid, gid = (settings["uid"], settings["gid"]) if settings["as_root"] else (0, 0)
@@ -147,7 +184,8 @@ def _wall_off(settings: dict, payload: dict) -> None:
         if target in ("/proc", SCRATCH) or target.startswith("/proc/"):
             continue
         try:
-            _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags, None, f"remounting {target} read-only")
+            remount = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | flags
+            _mount(None, target, None, remount, None, f"remounting {target} read-only")
         except SetupError:
             # A mount hidden under the scratch tmpfs or /proc cannot be reached and needs no remount.
             if not (target.startswith(SCRATCH + "/") or not os.path.exists(target)):
@@ -180,11 +218,15 @@ def _wall_off(settings: dict, payload: dict) -> None:
     for which, value in limits:
         # The hard CPU limit a second later: SIGXCPU at the soft one, SIGKILL if it is caught.
         resource.setrlimit(which, (value, value + 1 if which == resource.RLIMIT_CPU else value))
+    _drop_bounding_set()
+    _check(_libc.prctl(PR_SET_SECUREBITS, SECUREBITS, 0, 0, 0), "prctl(PR_SET_SECUREBITS)")
     if settings["as_root"]:
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)
     os.chdir(SCRATCH)
+    _drop_capabilities()
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     # After the uid change, which clears it: the program dies with its launcher.
     _check(_libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
     python = settings["python"]
