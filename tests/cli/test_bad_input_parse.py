@@ -80,7 +80,7 @@ OVERRIDES = [
     ("rollout.gpu_memory_utilization=0", ["rollout.gpu_memory_utilization must be in (0, 1]"]),
     ("rollout.logprob_correction_cap=0.5", ["rollout.logprob_correction_cap must be >= 1", "on-policy"]),
     ("algorithm.gamma=1.5", ["algorithm.gamma must be in [0, 1]; got 1.5"]),
-    ("actor.clip_low=1", ["actor.clip_low must be in (0, 1)", "1 - clip_low"]),
+    ("actor.clip_low=1.5", ["actor.clip_low must be in (0, 1]", "1 - clip_low"]),
     ("actor.dual_clip=0.5", ["actor.dual_clip must be > 1 (or 0 to turn it off); got 0.5"]),
     ("reward.model_weight=.nan", ["reward.model_weight must be a finite number; got nan"]),
     ("actor.resources={h100: -1}", ["actor.resources.h100 must be >= 0; got -1.0"]),
