@@ -202,6 +202,15 @@ def submit(
         ),
     ] = 1800,
     insecure_http: InsecureOpt = False,
+    gpu_memory_gib: Annotated[
+        float,
+        typer.Option(
+            "--gpu-memory-gib",
+            min=1,
+            help="Memory of one GPU of the cluster, in GiB: a run on GPUs whose memory plan (`cloudrl plan`) "
+            "does not fit it is refused before anything is sent.",
+        ),
+    ] = 80.0,
 ) -> None:
     """Check the config and the cluster in seconds, then run the trainer there as a Ray job.
 
@@ -212,6 +221,7 @@ def submit(
     import tempfile
 
     from . import submit as sub
+    from .plan import check_memory
     from .ray_api import Address, resolve_address
     from .shipping import plan_upload
 
@@ -219,6 +229,9 @@ def submit(
     cfg = sub.load_config(preset, overrides)
     upload = plan_upload(cfg, Path.cwd(), workdir, requirements, pip)
     note = sub.check_code(cfg, upload, Path.cwd())  # the trainer's check of reward.function, rollout.environment
+    if note:
+        typer.echo(note, err=True)
+    note = check_memory(cfg, gpu_memory_gib)  # a run on GPUs: its memory plan, before any node is contacted
     if note:
         typer.echo(note, err=True)
     req = sub.build_request(preset, overrides, name, env or [], upload)

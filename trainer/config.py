@@ -147,6 +147,10 @@ class RolloutConfig:
     sleep_between_rollouts: bool = False
     """vLLM: free weights and KV cache while the policy trains (always on with placement.colocate_all, where
     false is refused)."""
+    weight_push_bucket_mb: int = 1024
+    """SGLang's NCCL weight push: at most this many MiB of tensors per `update_weights_from_distributed` call
+    (a larger tensor goes alone). SGLang allocates every receive buffer of a call at once on each engine GPU,
+    so one call for a whole 7B model would need ~15 GB more per GPU."""
     logprob_correction: bool = False
     """Reweight the policy loss with truncated importance weights (trainer vs engine log-probs)."""
     logprob_correction_cap: float = 2.0

@@ -106,6 +106,7 @@ class Trainer:
         )
         self.in_flight = StepsInFlight(self.rollouts, settle_each_step=not cfg.rollout.policy_lag)
         self.push_weights = WeightPush(cfg, roles, self.rollouts)
+        print(self.push_weights.describe(cfg), flush=True)
         self.env_failures = FailureReport()
         """rollout.environment's failures: the first of each kind printed, a batch that all failed stops the run."""
 

@@ -65,3 +65,17 @@ def test_bad_gpu_memory_is_refused(qwen_7b):
     result = runner.invoke(app, ["plan", "-p", "gsm8k-7b", f"model.path={qwen_7b}", "--gpu-memory-gib", "0"])
     assert result.exit_code == 1
     assert "--gpu-memory-gib 0: give the memory of one GPU" in result.output
+
+
+def test_submit_refuses_a_run_that_cannot_fit_before_contacting_a_cluster(qwen_7b, monkeypatch):
+    """`cloudrl submit` of a GPU run checks its memory plan first: a layout that cannot fit is one line naming
+    the role, its need and the fix, with nothing sent (a dead RAY_ADDRESS: any contact would fail otherwise)."""
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:9")
+    refused = runner.invoke(app, ["submit", "-p", "gsm8k-7b", f"model.path={qwen_7b}", "actor.fsdp=false"])
+    assert refused.exit_code == 1
+    (line,) = [line for line in refused.output.splitlines() if line.startswith("error:")]
+    assert "actor needs" in line and "actor.fsdp=true" in line and "127.0.0.1:9" not in refused.output
+    small = runner.invoke(app, ["submit", "-p", "gsm8k-7b", f"model.path={qwen_7b}", "--gpu-memory-gib", "24"])
+    assert small.exit_code == 1 and "a GPU has 24 GiB" in small.output
+    fits = runner.invoke(app, ["submit", "-p", "gsm8k-7b", f"model.path={qwen_7b}", "--dry-run"])
+    assert fits.exit_code == 0, fits.output

@@ -10,10 +10,15 @@ import torch
 ULPS = 64
 
 
-def assert_same_math(actual: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
+def assert_same_math(
+    actual: torch.Tensor, expected: torch.Tensor, msg: str | None = None, computed_in: torch.dtype | None = None
+) -> None:
     """`actual` equals `expected` to ULPS units of the dtype's precision at max|expected|, with no relative
     slack: a computation that mixed in other tokens (a leak between packed sequences, a wrong shard) moves values
-    by their own scale, thousands of times more."""
+    by their own scale, thousands of times more. `computed_in`: the dtype the values were computed in, when
+    coarser than the one they are held in (bf16 autocast into float32 results): one of its ulps instead."""
     scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
     atol = ULPS * torch.finfo(expected.dtype).eps * scale
+    if computed_in is not None and torch.finfo(computed_in).eps > torch.finfo(expected.dtype).eps:
+        atol = torch.finfo(computed_in).eps * scale
     torch.testing.assert_close(actual, expected, rtol=0, atol=atol, msg=msg)

@@ -32,6 +32,8 @@ PRESETS = [
     "calculator",
     "engine-2node",
     "sglang-2x8",
+    "gsm8k-1gpu",
+    "gsm8k-1node",
 ]  # every shipped preset, each tested below
 
 
@@ -605,6 +607,20 @@ def test_a_tiny_model_at_a_billion_parameter_learning_rate_is_warned_about(tmp_p
     assert "actor.lr=1e-06 barely moves the built-in model builtin:tiny" in line and "`base: local`" in line
     assert start_warnings(load_config(str(based))) == []
     assert start_warnings(load_config("local")) == start_warnings(load_config("gsm8k-7b")) == []
+
+
+def test_packing_through_a_dense_mask_on_gpus_is_warned_about():
+    """Packed micro-batches under sdpa attend through a (tokens)^2 mask, which on a GPU costs more than the
+    padding saves (bench/mfu.py on an H200), so the start-up names the fix."""
+    from cloudrl.trainer.config_checks import start_warnings
+
+    gpu = ["actor.gpus_per_node=1", "model.dtype=bfloat16", "model.pack_sequences=true", "algorithm.name=grpo"]
+    (line,) = start_warnings(load_config("local", [*gpu, "actor.max_tokens_per_micro_batch=16384"]))
+    assert "dense (tokens)^2 mask (actor on GPUs)" in line and "model.pack_sequences=false" in line
+    assert start_warnings(load_config("local", [*gpu, "actor.max_tokens_per_micro_batch=4096"])) == [line]
+    flash = [*gpu, "model.attn_implementation=flash_attention_2"]
+    assert start_warnings(load_config("local", [*flash, "actor.max_tokens_per_micro_batch=16384"])) == []
+    assert start_warnings(load_config("local", ["model.pack_sequences=true"])) == []  # CPU: no GPU kernel
 
 
 @pytest.mark.parametrize("base", ["nope", "[local]", "./local.yaml"])

@@ -55,10 +55,15 @@ LAYOUTS = {
 }
 
 
+# The one-box presets, placed as shipped (they use one node of the two).
+ONE_BOX = ["gsm8k-1gpu", "gsm8k-1node"]
+
+
 @pytest.fixture(scope="module")
 def layouts(gpu_nodes):
-    """Every layout of LAYOUTS placed once, with probes: {name: {role: [worker, ...]}}."""
+    """Every layout of LAYOUTS and ONE_BOX placed once, with probes: {name: {role: [worker, ...]}}."""
     argv = [["--preset", "gsm8k-7b", *overrides] for overrides in LAYOUTS.values()]
+    argv += [["--preset", preset] for preset in ONE_BOX]
     env = {**os.environ, "RAY_ADDRESS": gpu_nodes["gcs_address"]}
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "helpers" / "placement_probe.py"), json.dumps(argv)],
@@ -70,7 +75,7 @@ def layouts(gpu_nodes):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("LAYOUTS "))
-    return dict(zip(LAYOUTS, json.loads(line.removeprefix("LAYOUTS "))))
+    return dict(zip([*LAYOUTS, *ONE_BOX], json.loads(line.removeprefix("LAYOUTS ")), strict=True))
 
 
 def devices(workers: list[dict]) -> list[tuple[str, str]]:
@@ -115,6 +120,28 @@ def test_colocate_all_puts_every_role_on_the_actors_gpus(layouts):
         assert e["node_id"] == pair[0]["node_id"] == pair[1]["node_id"]
         assert e["gpus"] == pair[0]["gpus"] + pair[1]["gpus"] and e["ray_gpus"] == [], (e, pair)
     assert all(w["gpus"] == [] for w in layout["reward"])
+
+
+def test_the_one_gpu_preset_puts_actor_and_engine_on_one_gpu(layouts):
+    """gsm8k-1gpu: one actor rank (the reference in its process) and one vLLM engine that sees the same GPU."""
+    layout = layouts["gsm8k-1gpu"]
+    (actor,) = layout["actor"]
+    (engine,) = layout["rollout"]
+    check_data_parallel([actor])
+    assert "critic" not in layout and "reference" not in layout
+    assert (engine["node_id"], engine["gpus"], engine["ray_gpus"]) == (actor["node_id"], actor["gpus"], [])
+
+
+def test_the_one_node_preset_keeps_every_rank_and_engine_on_one_node(layouts):
+    """gsm8k-1node: 8 actor ranks on the 8 GPUs of one node; engine e (tp=2) sees actor ranks 2e and 2e+1's."""
+    layout = layouts["gsm8k-1node"]
+    actor = sorted(layout["actor"], key=lambda w: w["rank"])
+    check_data_parallel(actor)
+    assert len(actor) == 8 and len({w["node_id"] for w in actor}) == 1
+    for e in layout["rollout"]:
+        pair = actor[2 * e["rank"] : 2 * e["rank"] + 2]
+        assert e["node_id"] == pair[0]["node_id"] and e["gpus"] == pair[0]["gpus"] + pair[1]["gpus"], (e, pair)
+    assert len(layout["rollout"]) == 4
 
 
 def test_colocated_reward_model_shares_the_critics_gpus(layouts):

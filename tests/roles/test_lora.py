@@ -16,6 +16,7 @@ from cloudrl.trainer.algo.batch import from_wire, split_batch, update_shards
 from cloudrl.trainer.config import ConfigError, load_config
 from cloudrl.trainer.errors import ModelLoadError
 from cloudrl.trainer.inputs.models import load_causal_lm, resolve_path
+from cloudrl.trainer.roles.packing import in_batch_order, micro_batches
 from cloudrl.trainer.roles.worker_base import forward_logprobs
 from cloudrl.trainer.roles.workers import PolicyWorker
 from float_close import assert_same_math
@@ -90,7 +91,10 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_model_exactly():
         assert torch.equal(p, before[name]) != (name in trained), name  # adapters moved, the base did not
 
     inputs = batch.only("input_ids", "attention_mask", "response_mask")
-    base = forward_logprobs(_plain(cfg), inputs, cfg.rollout.temperature)[0]
+    plain, a = _plain(cfg), cfg.actor  # the base model alone, in the worker's micro-batches (the same shapes)
+    groups = micro_batches(inputs, a.micro_batch_size, a.max_tokens_per_micro_batch, cfg.model.pack_sequences)
+    parts = [(rows, forward_logprobs(plain, micro, cfg.rollout.temperature)[0]) for rows, micro in groups]
+    base = in_batch_order(parts, inputs.size, inputs["response_mask"].shape[1])
     assert torch.equal(worker.ref_logprobs(inputs), base)
     assert not torch.allclose(worker.logprobs(inputs), base)  # the adapters do change the policy
 
@@ -203,8 +207,11 @@ def test_a_bfloat16_run_holds_the_frozen_base_in_bfloat16_and_trains_fp32_adapte
     # The reference: the base in bfloat16, as a plain model loaded in model.dtype computes it.
     inputs = batch.only("input_ids", "attention_mask", "response_mask")
     bf16 = load_causal_lm(resolve_path(cfg.model.path, cfg), "bfloat16").eval()
+    a = cfg.actor  # in the worker's micro-batches (the same shapes, so the same bf16 rounding)
+    groups = micro_batches(inputs, a.micro_batch_size, a.max_tokens_per_micro_batch, cfg.model.pack_sequences)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        base = forward_logprobs(bf16, inputs, cfg.rollout.temperature)[0]
+        parts = [(rows, forward_logprobs(bf16, micro, cfg.rollout.temperature)[0]) for rows, micro in groups]
+    base = in_batch_order(parts, inputs.size, inputs["response_mask"].shape[1])
     assert torch.equal(worker.ref_logprobs(inputs), base)
 
     # Export: each adapted weight is W (bf16) + B @ A * scale summed in fp32, then rounded once to bf16.
@@ -304,9 +311,14 @@ def test_two_fsdp2_ranks_on_gloo_update_the_adapters_as_one_rank(dtype, two_rank
     base = getattr(torch, dtype)
     assert two[0]["held"] == two[1]["held"] == {(False, base), (True, torch.float32)}
     assert two[0]["moments"] == two[1]["moments"] == {torch.float32}
-    assert_same_math(torch.cat([two[0]["ref"], two[1]["ref"]]), ref)
+    # Each rank cuts its micro-batches to their own width: in bf16 other shapes round differently, by an ulp.
+    assert_same_math(torch.cat([two[0]["ref"], two[1]["ref"]]), ref, computed_in=getattr(torch, dtype))
     assert two[1]["weights"] is None
     sharded = dict(two[0]["weights"])
     assert list(sharded) == list(one)
+    # float32: the merge equal to 1e-4. bf16: each rank's micro-batches, cut to their own width, round otherwise
+    # than the one rank's, and AdamW's first step turns a gradient's rounding near zero into up to 2 x lr;
+    # the float32 run is the exact check of the merge.
+    atol = 1e-5 if dtype == "float32" else 2 * cfg.actor.lr
     for name, value in one.items():
-        torch.testing.assert_close(from_wire(sharded[name]), from_wire(value), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(from_wire(sharded[name]), from_wire(value), rtol=1e-4, atol=atol)

@@ -9,11 +9,11 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from cloudrl.trainer.algo.batch import build_batch, token_groups, update_shards
+from cloudrl.trainer.algo.batch import build_batch, position_ids, token_groups, update_shards
 from cloudrl.trainer.config import ConfigError, load_config
 from cloudrl.trainer.inputs.demo import build_char_tokenizer, build_tiny_model
 from cloudrl.trainer.inputs.models import resolve_path
-from cloudrl.trainer.roles.packing import micro_batches, pack, use_attention
+from cloudrl.trainer.roles.packing import in_batch_order, micro_batches, pack, use_attention
 from cloudrl.trainer.roles.worker_base import forward_logprobs, forward_values
 from cloudrl.trainer.roles.workers import CriticWorker, PolicyWorker
 from float_close import assert_same_math
@@ -61,6 +61,32 @@ def test_pack_restarts_positions_and_finds_each_response_token():
     assert p.targets.tolist() == [11, 12, 13, 14, 15]
     assert p.predict_at.tolist() == [2, 3, 5, 6, 7]
     assert p.unpack(p.targets.float()).tolist() == [[11, 12, 0], [13, 14, 15]]
+
+
+def test_padded_micro_batches_hold_similar_lengths_cut_to_their_own_width():
+    """Padded micro-batches take the rows longest first and each is cut to its own widest prompt and response:
+    the short sequences no longer run at the longest one's width, and the results go back in batch order."""
+    prompts = [[5] * n for n in (2, 9, 3, 8)]
+    responses = [[6] * n for n in (1, 30, 2, 25)]
+    batch = build_batch(prompts, responses, pad_id=0)
+    batch["advantages"] = torch.arange(4.0)[:, None] * batch["response_mask"]
+    groups = micro_batches(batch, 2, 0, packed=False)
+    assert [rows.tolist() for rows, _ in groups] == [[1, 3], [0, 2]]
+    long, short = (micro for _, micro in groups)
+    assert long["input_ids"].shape == (2, 9 + 30) and short["input_ids"].shape == (2, 3 + 2)
+    assert short["advantages"].shape == short["response_mask"].shape == (2, 2)
+    for rows, micro in groups:  # the same real tokens at the same positions, only pad columns gone
+        full = batch.select(rows)
+        assert micro["attention_mask"].sum() == full["attention_mask"].sum()
+        assert (
+            micro["input_ids"][micro["attention_mask"].bool()] == full["input_ids"][full["attention_mask"].bool()]
+        ).all()
+        assert torch.equal(
+            position_ids(micro["attention_mask"])[micro["attention_mask"].bool()],
+            position_ids(full["attention_mask"])[full["attention_mask"].bool()],
+        )
+    back = in_batch_order([(rows, micro["advantages"]) for rows, micro in groups], 4, 30)
+    assert torch.equal(back, batch["advantages"])
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -169,6 +195,27 @@ def test_updates_are_the_same_packed_padded_and_budgeted():
             for name, grad in base[role].items():
                 assert grad.abs().sum() > 0, (role, name)
                 assert_grad_close(out[role][name], grad, f"{mode} {role} {name}")
+
+
+def test_packing_self_check_refuses_a_transformers_that_leaks_across_sequences(monkeypatch):
+    """model.pack_sequences' start-up self-check (WorkerBase.check_packing): with transformers' packed-sequence
+    detection working, a packed pass equals a padded one and training starts; with it gone (an older
+    transformers, a remote-code model, a kernel that ignores position ids) the later sequences attend to the
+    earlier ones and start-up refuses packing in one line."""
+    import transformers.masking_utils as masking
+
+    cfg = load_config("local", [*COMMON, "model.pack_sequences=true"])
+    path = resolve_path(cfg.model.path, cfg)
+    actor = PolicyWorker(cfg.to_dict(), path)
+    actor.start_training()  # runs the self-check
+    assert actor.check_packing() < 1e-5
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    leaking = PolicyWorker(cfg.to_dict(), path)
+    with pytest.raises(
+        ConfigError, match=r"model.pack_sequences=true: a packed forward pass .* set model.pack_sequences=false"
+    ) as failure:
+        leaking.start_training()
+    assert "\n" not in str(failure.value)
 
 
 def _count_on_rank(rank: int, port: int, lengths: list[list[int]]) -> int:

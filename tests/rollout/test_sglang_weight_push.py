@@ -113,7 +113,7 @@ def test_each_push_announces_then_broadcasts_every_tensor_in_order(log):
     for _, _, kwargs in updates:
         assert kwargs["names"] == names and kwargs["dtypes"] == ["bfloat16"] * len(names)
         assert kwargs["shapes"] == [list(p.shape) for p in model.parameters()]
-        assert kwargs["group_name"] == sglang_engine.WEIGHT_GROUP and kwargs["flush_cache"] is True
+        assert kwargs["group_name"] == sglang_engine.WEIGHT_GROUP and kwargs["flush_cache"] is True  # one bucket
     assert [b[3] for b in broadcasts] == [0] * len(names)  # from rank 0
     for (_, _, sent, _), param in zip(broadcasts, model.parameters()):
         assert sent.dtype == torch.bfloat16 and torch.equal(sent, param.detach().to(torch.bfloat16))
@@ -124,6 +124,34 @@ def test_each_push_announces_then_broadcasts_every_tensor_in_order(log):
     after = order[first_broadcast + len(names) :]
     assert after == ["wait", "wait"]  # the engines' receive, then their finish
     assert order[: order.index("update_weights_from_distributed")] == ["wait"]  # start_weight_update
+
+
+def test_a_push_goes_in_buckets_that_bound_each_engine_call(log):
+    """SGLang allocates every receive buffer of one `update_weights_from_distributed` call at once on each
+    engine GPU: the push cuts the model into buckets of at most rollout.weight_push_bucket_mb (here 48 bytes
+    of bf16; a larger tensor alone), announces each bucket, broadcasts its tensors, waits for the engines,
+    and flushes their cache after the last bucket only."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False), torch.nn.Linear(2, 20))
+    sizes = {n: p.numel() * 2 for n, p in model.named_parameters()}  # bf16: 24, 6, 12, 80, 40 bytes
+    sync = group(model, engine_actors(log))
+    sync.transfer.bucket_bytes = 48
+    log.clear()
+    sync.push()
+    calls = [e[2] for e in log if e[1] == "update_weights_from_distributed" and e[0] == "engine 0"]
+    assert [c["names"] for c in calls] == [["0.weight", "0.bias", "1.weight"], ["2.weight"], ["2.bias"]]
+    for call in calls:  # each call's receive buffers within the bucket, unless one tensor alone exceeds it
+        assert sum(sizes[n] for n in call["names"]) <= 48 or len(call["names"]) == 1
+    assert [c["flush_cache"] for c in calls] == [False, False, True]
+    order = [e[1] if e[1] != "update_weights_from_distributed" else e[0] for e in log]
+    first = order.index("broadcast")
+    assert order[first : first + 3] == ["broadcast"] * 3 and order[first + 3] == "wait"  # bucket 1, then its wait
+    assert [e[2] for e in log if e[1] == "wait"][1:-1] == [
+        "receiving bucket 1/3 (3 tensors, 0 MiB) over SGLang's group",
+        "receiving bucket 2/3 (1 tensors, 0 MiB) over SGLang's group",
+        "receiving bucket 3/3 (1 tensors, 0 MiB) over SGLang's group",
+    ]
+    sent = [e[2] for e in log if e[1] == "broadcast"]
+    assert all(torch.equal(t, p.detach().to(torch.bfloat16)) for t, p in zip(sent, model.parameters(), strict=True))
 
 
 def test_other_actor_ranks_only_gather(log):
@@ -142,13 +170,11 @@ def _cfg(engine="sglang", colocate=False, pp=1):
 
 
 def test_the_driver_pushes_to_sglang_over_nccl_only_where_its_engines_own_their_gpus():
-    roles = NS(rollout_in_actor=False, actor=NS(where=lambda: [{"device": "cuda:0"}]))
-    assert weight_sync.WeightPush.choose(_cfg(), roles) == "nccl"
+    assert weight_sync.push_mode(_cfg(), actor_on_cuda=True, engine_gpus=TP) == "nccl"
     assert vllm_engine.transfer_backend(_cfg()) == "sglang"
-    assert weight_sync.WeightPush.choose(_cfg(colocate=True), roles) == "object_store"  # tensors when colocated
-    assert weight_sync.WeightPush.choose(_cfg(pp=2), roles) == "object_store"  # SGLang ranks by tp only
-    on_cpu = NS(rollout_in_actor=False, actor=NS(where=lambda: [{"device": "cpu"}]))
-    assert weight_sync.WeightPush.choose(_cfg(), on_cpu) == "object_store"
+    assert weight_sync.push_mode(_cfg(colocate=True), True, TP) == "object_store"  # no CUDA IPC path for SGLang yet
+    assert weight_sync.push_mode(_cfg(pp=2), True, TP) == "object_store"  # SGLang ranks by tp only
+    assert weight_sync.push_mode(_cfg(), actor_on_cuda=False, engine_gpus=TP) == "object_store"
 
 
 def test_the_group_is_made_by_torchs_own_calls():

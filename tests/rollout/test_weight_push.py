@@ -12,6 +12,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from cloudrl.trainer.config import load_config
 from cloudrl.trainer.inputs.data import PromptRecord
 from cloudrl.trainer.rollout.engines import Completion, SamplingSettings
 from cloudrl.trainer.rollout.queue import RolloutQueue
@@ -129,14 +130,18 @@ class Group:
         return [{"device": self.device} for _ in self.workers]
 
 
-def _config(sleeps: bool, engine: str = "vllm", gpus: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(
-        trainer=SimpleNamespace(worker_timeout_s=30.0),
-        rollout=SimpleNamespace(
-            sleep_between_rollouts=sleeps, engine=engine, gpus_per_engine=gpus, tensor_parallel_size=1
-        ),
-        placement=SimpleNamespace(colocate_all=False),
-        actor=SimpleNamespace(gpus_per_node=gpus),
+def _config(sleeps: bool, engine: str = "vllm", gpus: int = 1):
+    """One engine at tensor_parallel_size=1 beside an actor on `gpus` GPUs (placement gives a GPU engine its
+    own GPU whenever the actor has GPUs)."""
+    return load_config(
+        "local",
+        [
+            "algorithm.name=grpo",
+            f"rollout.engine={engine}",
+            f"actor.gpus_per_node={gpus}",
+            f"rollout.sleep_between_rollouts={str(sleeps).lower()}",
+            "trainer.worker_timeout_s=30",
+        ],
     )
 
 

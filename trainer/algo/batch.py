@@ -70,6 +70,10 @@ def _rebuild_batch(items: dict) -> Batch:
     return Batch({k: from_wire(v) for k, v in items.items()})
 
 
+FULL_WIDTH = ("input_ids", "attention_mask")
+"""The [N, P+R] tensors of a Batch; every other per-token tensor is [N, R]."""
+
+
 class Batch(dict):
     """`dict[str, Tensor]` whose tensors all have the same first dimension."""
 
@@ -86,6 +90,37 @@ class Batch(dict):
 
     def select(self, index: torch.Tensor | list[int] | slice) -> Batch:
         return Batch({k: v[index] for k, v in self.items()})
+
+    def columns(self) -> tuple[list[int], list[int], list[int]]:
+        """Per row, read back at once: its real tokens, its first real prompt column (the prompt width if it
+        has none) and one past its last real response column (0 for an empty response)."""
+        mask = self["attention_mask"].bool()
+        width = self.prompt_width
+        prompt, response = mask[:, :width], mask[:, width:]
+        first = torch.where(
+            prompt.any(1), prompt.int().argmax(1), torch.full_like(prompt[:, 0], width, dtype=torch.long)
+        )
+        positions = torch.arange(1, response.shape[1] + 1, device=mask.device)
+        end = (response * positions).amax(1) if response.shape[1] else torch.zeros_like(first)
+        real, first, end = torch.stack([mask.sum(1), first, end]).tolist()
+        return real, first, end
+
+    def cut(self, first: int, keep: int) -> Batch:
+        """The same sequences from prompt column `first` on and with `keep` response positions: the columns
+        every row pads dropped (Batch.columns says which). The real tokens keep their positions
+        (`position_ids` counts from each row's first real token)."""
+        width, responses = self.prompt_width, self["response_mask"].shape[1]
+        if first == 0 and keep == responses:
+            return self
+        out = {}
+        for key, value in self.items():
+            if key in FULL_WIDTH:
+                out[key] = value[:, first : width + keep]
+            elif value.dim() >= 2 and value.shape[1] == responses:
+                out[key] = value[:, :keep]
+            else:
+                out[key] = value
+        return Batch(out)
 
     def only(self, *keys: str) -> Batch:
         return Batch({k: self[k] for k in keys if k in self})

@@ -49,6 +49,11 @@ Frozen and generating roles, per GPU:
   reference, the critic's).
 - HF engines: d·P and, while generating, the KV cache of their share of the rollout batch at full length.
 - a reward model (reward.model_path): d·P_reward on the GPUs it runs on.
+- every worker process on a GPU (a trained role, a reference or reward worker, an HF engine, and under
+  `placement.colocate_all` each role and the sleeping engine that share the GPU): its CUDA context, the
+  caching allocator's first block and an NCCL communicator, PROCESS_GIB = 1.15 GiB, measured on an H200 with
+  torch 2.11 and NCCL 2.28 (bench/gpu_overheads.py: 523 + 94 + 558 MiB). vLLM and SGLang engines on GPUs of
+  their own count theirs inside rollout.gpu_memory_utilization.
 
 The measured check: bench/README.md's "GPU smoke" (one H200, a 98.6M and a 1.1B random Qwen2) in
 tests/roles/test_memory_plan.py.
@@ -70,6 +75,10 @@ LOGIT_CHUNK = 1024
 """Positions per chunk of ppo_math.token_stats_from_logits."""
 
 RESIDENT = "*"
+
+PROCESS_GIB = (523 + 94 + 558) / 1024
+"""A GPU process before its own tensors: CUDA context, the allocator's first block, an NCCL communicator (MiB
+measured on an H200 by bench/gpu_overheads.py)."""
 """A line's phase when it stays on the GPU through every phase of a step."""
 GENERATE = "generation"
 
@@ -452,6 +461,11 @@ def _reward_line(cfg: Config, reward: ModelShape | None) -> list[Line]:
     return [Line(f"reward model in {cfg.model.dtype}", _bytes(cfg) * reward.params("value") / GIB, (RESIDENT,))]
 
 
+def _processes_line(count: int) -> Line:
+    what = f"CUDA context, allocator and NCCL of {count} process{'es' if count > 1 else ''}"
+    return Line(what, count * PROCESS_GIB, (RESIDENT,))
+
+
 def _role_plan(cfg: Config, role: str, keys: str) -> GpuPlan:
     rc = getattr(cfg, role)
     return GpuPlan(role, rc.world_size, keys, on_gpu=rc.gpus_per_node > 0)
@@ -491,6 +505,11 @@ def plan_memory(
         elif not p.rollout_in_actor:
             actor.lines += _hf_engine_lines(cfg, shape)
         actor.lines += _reward_line(cfg, reward_shape) if cfg.uses_reward_workers else []
+    processes = 1
+    if p.colocate_all:
+        processes += int(cfg.uses_critic) + int(not p.rollout_in_actor)
+        processes += int(cfg.uses_reward_workers and bool(_reward_line(cfg, reward_shape)))
+    actor.lines.append(_processes_line(processes))
     plans.append(actor)
     if p.colocate_all:
         return MemoryPlan(plans, _assumptions(cfg))
@@ -503,18 +522,22 @@ def plan_memory(
         phase = ("reference log-probs",)
         ref.lines.append(Line(f"one block's activations ({int(tokens)} tokens: {how})", tokens * block / GIB, phase))
         ref.lines.append(Line("logits (chunked log-probs, no gradient)", _logits(cfg, rows, shape, False), phase))
+        ref.lines.append(_processes_line(1))
         plans.append(ref)
     if cfg.uses_critic:
         c = cfg.critic
         critic = _role_plan(cfg, "critic", f"critic.nodes={c.nodes} x critic.gpus_per_node={c.gpus_per_node}")
         critic.lines += _trained_lines(cfg, "critic", critic_shape)
-        if p.colocate_critic_reward and cfg.uses_reward_workers:
+        shared = p.colocate_critic_reward and cfg.uses_reward_workers and bool(_reward_line(cfg, reward_shape))
+        if shared:
             critic.lines += _reward_line(cfg, reward_shape)
+        critic.lines.append(_processes_line(1 + int(shared)))
         plans.append(critic)
     reward_alone = cfg.uses_reward_workers and not (cfg.uses_critic and p.colocate_critic_reward)
     if reward_alone and cfg.reward.gpus_per_node and _reward_line(cfg, reward_shape):
         reward = _role_plan(cfg, "reward", "reward.nodes x reward.gpus_per_node")
         reward.lines += _reward_line(cfg, reward_shape)
+        reward.lines.append(_processes_line(1))
         plans.append(reward)
     if not p.rollout_in_actor:
         if gpu_engine and (r.gpus_per_engine > 0 or r.ranks_per_engine > 1 or a.gpus_per_node > 0):
@@ -526,6 +549,7 @@ def plan_memory(
         elif r.engine == "hf" and r.gpus_per_engine > 0:
             engine = GpuPlan("rollout (hf)", math.ceil(r.num_engines * r.gpus_per_engine), "rollout.gpus_per_engine")
             engine.lines += _hf_engine_lines(cfg, shape)
+            engine.lines.append(_processes_line(1))
             plans.append(engine)
     return MemoryPlan(plans, _assumptions(cfg))
 

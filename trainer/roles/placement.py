@@ -244,6 +244,15 @@ def plan(cfg: Config) -> list[RoleRequest]:
     return requests
 
 
+def engine_gpus(cfg: Config) -> float:
+    """The GPUs the rollout engines hold in the plan Ray reserves: their own bundles', or under
+    `placement.colocate_all` the actor's, which they share; 0 when they run on CPU or in the actor."""
+    for request in plan(cfg):
+        if request.role == "rollout" or "rollout" in request.guests:
+            return sum(bundle.get("GPU", 0.0) for bundle in request.bundles)
+    return 0.0
+
+
 def _describe_node(node: dict[str, float]) -> str:
     parts = [f"{node.get('GPU', 0):g} GPUs" if node.get("GPU") else "no GPU", f"{node.get('CPU', 0):g} CPUs"]
     parts += [

@@ -26,7 +26,7 @@ from ..errors import TrainerError
 from ..inputs.models import dtype_of
 from ..metrics import Accumulator
 from .fsdp import ModelKind
-from .packing import micro_batches, pack, use_attention
+from .packing import micro_batches, pack, packing_gap, refuse_inexact_packing, use_attention
 
 
 def forward_logprobs(
@@ -312,6 +312,33 @@ class TrainableWorker(WorkerBase):
         # FSDP averages gradients over ranks; plain data parallelism here sums them. Losses are
         # divided by the global token count, so the sum is the exact global token mean.
         self.grad_scale = float(self.world_size) if self.sharded else 1.0
+        if self.cfg.model.pack_sequences:
+            self.check_packing()
+
+    @torch.no_grad()
+    def check_packing(self) -> float:
+        """model.pack_sequences' start-up self-check: one packed and one padded forward pass of the real
+        model (sharded as it trains) over a few short sequences; refuses packing in one line where they
+        differ (packing.packing_gap). Every rank runs it (a sharded forward pass is a collective). The gap."""
+        m = self.cfg.model
+        was_training = self.model.training
+        self.model.eval()
+
+        def run(batch: Batch, packed: bool) -> torch.Tensor:
+            with self.autocast():
+                micro = to_device(batch, self.device)
+                return self.packing_check_outputs(micro, packed, m.attn_implementation)
+
+        try:
+            gap = packing_gap(run, self.model.config.vocab_size)
+        finally:
+            self.model.train(was_training)
+        refuse_inexact_packing(gap, self.compute_dtype, m.attn_implementation)
+        return gap
+
+    def packing_check_outputs(self, micro: Batch, packed: bool, attention: str) -> torch.Tensor:
+        """[N, R] per response token: what this role's forward pass produces (log-probs, values)."""
+        raise NotImplementedError
 
     def autocast(self):
         """Compute in model.dtype over fp32 master weights (FSDP2 casts by itself when sharded)."""

@@ -125,7 +125,11 @@ class PolicyWorker(TrainableWorker):
         out = [(rows, self._logprobs(model, to_device(mb, self.device))[0].float().cpu()) for rows, mb in groups]
         model.train(was_training)
         meter(self).forward(batch["attention_mask"], time.perf_counter() - start)  # the tensors are on the host: done
-        return in_batch_order(out, batch.size)
+        return in_batch_order(out, batch.size, batch["response_mask"].shape[1])
+
+    def packing_check_outputs(self, micro: Batch, packed: bool, attention: str) -> torch.Tensor:
+        temperature = self.cfg.rollout.temperature
+        return forward_logprobs(self.model, micro, temperature, packed=packed, attention=attention)[0]
 
     def _logprobs(self, model, micro: Batch, entropy: str = "none"):
         m = self.cfg.model
@@ -261,6 +265,7 @@ class PolicyWorker(TrainableWorker):
             timeout_s=self.cfg.trainer.worker_timeout_s,
             dtype=self.compute_dtype,
             adapters=self.adapters,
+            bucket_mb=self.cfg.rollout.weight_push_bucket_mb,
         )
 
     def push_weights(self) -> dict[str, float]:
@@ -322,11 +327,14 @@ class CriticWorker(TrainableWorker):
             out = [(rows, self._values(to_device(mb, self.device)).float().cpu()) for rows, mb in groups]
         self.model.train()
         meter(self).forward(batch["attention_mask"], time.perf_counter() - start)
-        return in_batch_order(out, batch.size)
+        return in_batch_order(out, batch.size, batch["response_mask"].shape[1])
 
     def _values(self, micro: Batch) -> torch.Tensor:
         m = self.cfg.model
         return forward_values(self.model, micro, packed=m.pack_sequences, attention=m.attn_implementation)
+
+    def packing_check_outputs(self, micro: Batch, packed: bool, attention: str) -> torch.Tensor:
+        return forward_values(self.model, micro, packed=packed, attention=attention)
 
     def update(self, shard: Batch, normalizers: list[float]) -> UpdateResult:
         start = time.perf_counter()
@@ -401,7 +409,7 @@ class ReferenceWorker(WorkerBase):
                 attention=m.attn_implementation,
             )
             out.append((rows, logprobs.cpu()))
-        return in_batch_order(out, batch.size)
+        return in_batch_order(out, batch.size, batch["response_mask"].shape[1])
 
 
 class RewardWorker(WorkerBase):

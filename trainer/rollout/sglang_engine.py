@@ -196,7 +196,7 @@ class SGLangEngine(SleepingEngine):
                 dtypes=[str(d).removeprefix("torch.") for d in update_info["dtypes"]],
                 shapes=[list(s) for s in update_info["shapes"]],
                 group_name=WEIGHT_GROUP,
-                flush_cache=True,
+                flush_cache=bool(update_info.get("flush_cache", True)),  # once, after the last bucket
             ),
         )
 

@@ -35,12 +35,13 @@ Nothing here imports Ray or vLLM at import time.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 from ..waiting import get_all
 from . import vllm_compat
 from .sglang_engine import WEIGHT_GROUP
-from .vllm_engine import engines_sleep
+from .vllm_engine import engines_sleep, transfer_backend
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -83,24 +84,28 @@ class WeightPush:
 
     @staticmethod
     def choose(cfg, roles) -> PushMode:
-        """NCCL only where the actor really computes on CUDA and the engines are vLLM on GPUs: a
-        rehearsal on logical GPUs keeps the object store."""
+        """From the placement: the GPUs the engines hold in the plan Ray reserved (`placement.engine_gpus`),
+        and whether the actor really computes on CUDA there (`where()`; logical GPUs rehearsed on CPU do not).
+        `push_mode` decides."""
+        from ..roles.placement import engine_gpus
+
         if roles.rollout_in_actor:
             return "none"
-        engines_on_gpu = (
-            cfg.rollout.gpus_per_engine > 0 or cfg.rollout.tensor_parallel_size > 1 or cfg.placement.colocate_all
-        )
-        # SGLang over NCCL only where its engines own their GPUs (colocated, its tensors go through the
-        # object store), and without pipeline parallelism: SGLang numbers a worker rank_offset + its tp rank.
-        sglang_nccl = (
-            cfg.rollout.engine == "sglang"
-            and not cfg.placement.colocate_all
-            and cfg.rollout.pipeline_parallel_size == 1
-        )
-        if not (cfg.rollout.engine == "vllm" or sglang_nccl) or cfg.actor.gpus_per_node <= 0 or not engines_on_gpu:
-            return "object_store"
-        on_cuda = roles.actor.where()[0]["device"].startswith("cuda")
-        return "nccl" if on_cuda else "object_store"
+        actor_on_cuda = roles.actor.where()[0]["device"].startswith("cuda")
+        return push_mode(cfg, actor_on_cuda, engine_gpus(cfg))
+
+    def describe(self, cfg) -> str:
+        """The line a run prints once at start: how the weights reach the engines."""
+        from ..roles.placement import engine_gpus
+
+        if self.mode == "none":
+            return "weight push: none (the actor's workers generate with the weights they train)"
+        gpus = f"{engine_gpus(cfg):g}"
+        if self.mode == "nccl":
+            how = {"nccl": "NCCL", "ipc": "CUDA IPC", "sglang": "NCCL (SGLang's group)"}[transfer_backend(cfg)]
+            return f"weight push: {how}, {gpus} engine GPU(s), {cfg.model.dtype}"
+        where = f"{gpus} engine GPU(s)" if gpus != "0" else "engines on CPU"
+        return f"weight push: Ray object store ({where}, {cfg.model.dtype})"
 
     @staticmethod
     def gpu_neighbours(cfg, roles) -> list:
@@ -375,6 +380,7 @@ class WeightSyncGroup:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         dtype=None,
         adapters=None,
+        bucket_mb: int = 1024,
     ):
         client = EngineClient(
             rollout_workers, tensor_parallel_size, timeout_s=timeout_s, pipeline_parallel_size=pipeline_parallel_size
@@ -417,6 +423,7 @@ class WeightSyncGroup:
                 master_address=master_address,
                 master_port=master_port,
                 timeout_s=timeout_s,
+                bucket_bytes=bucket_mb << 20,
             )
         else:
             raise ValueError(f"unknown weight sync backend {backend!r}: use nccl, ipc or sglang")
@@ -473,6 +480,39 @@ def open_torch_group(
     return group
 
 
+def tensor_bytes(meta) -> int:
+    """The bytes of one announced tensor (`TensorMeta`: its dtype and full shape)."""
+    return math.prod(meta.shape) * meta.dtype.itemsize
+
+
+def weight_buckets(meta: list, limit: int) -> list[list]:
+    """`meta` in order, cut into consecutive buckets of at most `limit` bytes (a larger tensor alone)."""
+    buckets: list[list] = []
+    size = 0
+    for m in meta:
+        if buckets and size + tensor_bytes(m) <= limit:
+            buckets[-1].append(m)
+            size += tensor_bytes(m)
+        else:
+            buckets.append([m])
+            size = tensor_bytes(m)
+    return buckets
+
+
+def push_mode(cfg, actor_on_cuda: bool, engine_gpus: int) -> PushMode:
+    """How the weights reach the engines, from where placement put them: a GPU collective (NCCL, or CUDA IPC
+    inside the same call where vLLM engines share the actor's GPUs) whenever the actor computes on CUDA and
+    the engines hold GPUs, whatever their tensor parallelism; the Ray object store where the engines are on
+    CPU, or the GPUs are logical (a CPU rehearsal), or the engine cannot take a GPU push: the HF engine, and
+    SGLang colocated with the actor (no CUDA IPC path yet) or with pipeline parallelism (SGLang numbers a
+    worker rank_offset + its tp rank)."""
+    r = cfg.rollout
+    sglang_nccl = r.engine == "sglang" and not cfg.placement.colocate_all and r.pipeline_parallel_size == 1
+    if not (r.engine == "vllm" or sglang_nccl):
+        return "object_store"
+    return "nccl" if actor_on_cuda and engine_gpus > 0 else "object_store"
+
+
 class SGLangTransfer:
     """GPU only, not yet run on a GPU. The trainer side of SGLang's NCCL weight update, for SGLang engines on
     their own GPUs: the same call sequence as vLLM's NCCL path, over SGLang's own group.
@@ -482,9 +522,12 @@ class SGLangTransfer:
     store: `WeightPush.choose`). Opening: rank 0 asks every engine to join (`init_weights_update_group`,
     which blocks in the rendezvous), joins itself (`open_group`, default `open_torch_group`), then waits for
     the engines. Each push: every actor rank iterates the source (FSDP2 gathers each full tensor
-    collectively); rank 0 asks every engine to receive (`update_weights_from_distributed` with the names,
-    dtypes and shapes), broadcasts each tensor in that order, waits for the engines, and finishes the
-    update. Other actor ranks make no engine calls. Every wait on an engine is bounded by `timeout_s`.
+    collectively); rank 0 sends them in buckets of at most `bucket_bytes` (rollout.weight_push_bucket_mb; a
+    larger tensor alone): per bucket it asks every engine to receive (`update_weights_from_distributed` with
+    the bucket's names, dtypes and shapes; SGLang allocates all of a call's receive buffers at once), broadcasts
+    each tensor in that order and waits for the engines; the last bucket flushes the engines' prefix cache; then
+    it finishes the update. Other actor ranks make no engine calls. Every wait on an engine is bounded by
+    `timeout_s`.
     """
 
     def __init__(
@@ -498,8 +541,10 @@ class SGLangTransfer:
         master_port: int,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         open_group=None,
+        bucket_bytes: int = 1 << 30,
     ):
         self.source = source
+        self.bucket_bytes = bucket_bytes
         self.workers = rollout_workers
         self.labels = [f"rollout engine {i}" for i in range(len(rollout_workers))]
         self.timeout_s = timeout_s
@@ -528,22 +573,30 @@ class SGLangTransfer:
                 pass
             return
         meta = self.source.metadata()
-        update = dict(
-            names=[m.name for m in meta],
-            dtypes=[str(m.dtype).removeprefix("torch.") for m in meta],
-            shapes=[list(m.shape) for m in meta],
-        )
+        buckets = weight_buckets(meta, self.bucket_bytes)
         self._engines("start_weight_update", "starting a weight update")
-        # The engines wait in the broadcasts: asked first, waited for once every tensor is sent.
-        refs = [w.update_weights.remote(update) for w in self.workers]
-        sent = 0
-        for (name, tensor), expected in zip(self.source, meta, strict=True):
-            if name != expected.name or tuple(tensor.shape) != expected.shape:
-                raise ValueError(
-                    f"the weight source yielded {name!r} {tuple(tensor.shape)} where its metadata announced "
-                    f"{expected.name!r} {expected.shape}: the engines would load the wrong tensors"
-                )
-            self.group.broadcast(tensor.contiguous(), 0).wait()
-            sent += 1
-        get_all(refs, self.labels, self.timeout_s, f"receiving {sent} tensors over SGLang's weight-update group")
+        tensors = iter(self.source)
+        for i, bucket in enumerate(buckets, 1):
+            update = dict(
+                names=[m.name for m in bucket],
+                dtypes=[str(m.dtype).removeprefix("torch.") for m in bucket],
+                shapes=[list(m.shape) for m in bucket],
+                flush_cache=i == len(buckets),
+            )
+            # The engines wait in the broadcasts: asked first, waited for once the bucket is sent.
+            refs = [w.update_weights.remote(update) for w in self.workers]
+            for expected in bucket:
+                name, tensor = next(tensors, (None, None))
+                if name != expected.name or tuple(tensor.shape) != expected.shape:
+                    got = "nothing" if name is None else f"{name!r} {tuple(tensor.shape)}"
+                    raise ValueError(
+                        f"the weight source yielded {got} where its metadata announced {expected.name!r} "
+                        f"{expected.shape}: the engines would load the wrong tensors"
+                    )
+                self.group.broadcast(tensor.contiguous(), 0).wait()
+            mib = sum(tensor_bytes(m) for m in bucket) / 2**20
+            what = f"receiving bucket {i}/{len(buckets)} ({len(bucket)} tensors, {mib:.0f} MiB) over SGLang's group"
+            get_all(refs, self.labels, self.timeout_s, what)
+        if next(tensors, None) is not None:
+            raise ValueError("the weight source yielded more tensors than its metadata announced")
         self._engines("finish_weight_update", "finishing a weight update")
