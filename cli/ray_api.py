@@ -16,7 +16,6 @@ same address later (a dropped tunnel whose port another process took) is refused
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import urllib.parse
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from cloudrl.trainer.errors import ClusterUnreachable, first_line
+from cloudrl.trainer.urls import is_loopback
 
 from .errors import CloudrlError, NoSuchJob
 from .local_state import load_state, local_token, running_dashboard_url
@@ -135,18 +135,6 @@ def unreachable_hint(address: Address) -> str:
         "forward the dashboard of a dstack run with `cloudrl dashboard` (or `dstack attach cloudrl-ray`), "
         "start a cluster on this machine with `cloudrl local up` and pass --local, or pass --address"
     )
-
-
-def is_loopback(url: str) -> bool:
-    """Whether the URL's host is this machine (localhost, 127.0.0.0/8, ::1): the only hosts plain http
-    may carry the token to, since nothing between here and there can read it."""
-    host = (urllib.parse.urlsplit(url).hostname or "").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def local_cluster_for(url: str) -> dict[str, Any] | None:

@@ -1,14 +1,55 @@
-"""Servers and ports the tests share: a free loopback port, a real S3-compatible server (moto) on 127.0.0.1."""
+"""Servers and ports the tests share: a free loopback port, a real S3-compatible server (moto) on 127.0.0.1, and
+a raw HTTP client for the request limits of cloudrl's own servers (the reward server, the retriever)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+
+
+def raw_exchange(port: int, data: bytes, keep_sending: bool = False) -> tuple[bytes, float]:
+    """Send `data` to 127.0.0.1:`port` and read the whole answer (at most 8 s); with `keep_sending`, go on
+    sending a body that never ends until the server answers. Returns the answer and the seconds it took."""
+    start = time.monotonic()
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=8) as s:
+        s.sendall(data)
+        if keep_sending:
+            s.settimeout(0.05)
+            while time.monotonic() - start < 8:
+                try:
+                    s.sendall(b" " * 65536)
+                except OSError:  # a full buffer (timeout) or a closed connection
+                    pass
+                try:
+                    chunk = s.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    break
+                answer += chunk
+                if not chunk or b"\r\n\r\n" in answer:
+                    break
+            s.settimeout(2)
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except OSError:
+            pass
+    return answer, time.monotonic() - start
+
+
+def error_line(answer: bytes) -> str:
+    """The one-line error of a raw HTTP answer whose JSON body is {"error": ...} (and nothing else)."""
+    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert list(body) == ["error"] and "\n" not in body["error"]
+    return body["error"]
 
 
 def free_port() -> int:

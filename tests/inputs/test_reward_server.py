@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 from cloudrl.trainer.inputs import reward_server
 from cloudrl.trainer.inputs.reward_server import MAX_BODY_BYTES, RewardServer
+from servers import error_line, raw_exchange
 
 
 @pytest.fixture
@@ -34,41 +35,7 @@ def _score(srv) -> list[float]:
 
 
 def _exchange(srv, head: bytes, then: bytes = b"", keep_sending: bool = False) -> tuple[bytes, float]:
-    """Send `head` (and `then`), read the whole answer (at most 8 s); with `keep_sending`, go on sending
-    a body that never ends until the server answers. Returns the answer and the seconds it took."""
-    start = time.monotonic()
-    answer = b""
-    with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=8) as s:
-        s.sendall(head + then)
-        if keep_sending:
-            s.settimeout(0.05)
-            while time.monotonic() - start < 8:
-                try:
-                    s.sendall(b" " * 65536)
-                except OSError:  # a full buffer (timeout) or a closed connection
-                    pass
-                try:
-                    chunk = s.recv(65536)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    break
-                answer += chunk
-                if not chunk or b"\r\n\r\n" in answer:
-                    break
-            s.settimeout(2)
-        try:
-            while chunk := s.recv(65536):
-                answer += chunk
-        except OSError:
-            pass
-    return answer, time.monotonic() - start
-
-
-def _error(answer: bytes) -> str:
-    body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
-    assert list(body) == ["error"] and "\n" not in body["error"]
-    return body["error"]
+    return raw_exchange(srv.server_address[1], head + then, keep_sending)
 
 
 @pytest.mark.parametrize(
@@ -81,7 +48,7 @@ def test_a_bad_content_length_is_answered_unread(server, length, status):
     )
     answer, took = _exchange(server, head, keep_sending=length == "-1")  # -1 with a body streaming on
     assert answer.startswith(f"HTTP/1.0 {status} ".encode()), answer[:200]
-    assert f"send a Content-Length of at most {MAX_BODY_BYTES} bytes" in _error(answer)
+    assert f"send a Content-Length of at most {MAX_BODY_BYTES} bytes" in error_line(answer)
     assert took < 1.5  # at once, not at the deadline
     assert _score(server) == [3.0]
 
@@ -91,7 +58,7 @@ def test_a_deeply_nested_body_is_a_400(server):
     head = f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
     answer, _ = _exchange(server, head, body)
     assert answer.startswith(b"HTTP/1.0 400 "), answer[:200]
-    assert "nests too deep" in _error(answer)
+    assert "nests too deep" in error_line(answer)
     assert _score(server) == [3.0]
 
 
@@ -116,7 +83,7 @@ def test_a_dripping_client_gets_408_at_the_deadline(server):
     took = time.monotonic() - start
     assert answer.startswith(b"HTTP/1.0 408"), answer[:200]
     assert 1.5 < took < 5, took  # the deadline is twice the 1 s timeout
-    assert "did not arrive within 2 s" in _error(answer)
+    assert "did not arrive within 2 s" in error_line(answer)
     assert _score(server) == [3.0]
 
 
@@ -130,7 +97,7 @@ def test_connections_past_the_limit_get_503(server, monkeypatch):
         with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=5) as s:
             answer = s.makefile("rb").read()
         assert answer.startswith(b"HTTP/1.0 503"), answer[:200]
-        assert f"the reward server serves {server.max_clients} connections at once" in _error(answer)
+        assert f"the reward server serves {server.max_clients} connections at once" in error_line(answer)
     finally:
         for s in held:
             s.close()

@@ -19,6 +19,7 @@ pytest.importorskip("bm25s")
 
 from cloudrl.trainer.search import retriever_server as rs  # noqa: E402
 from cloudrl.trainer.search.retrieval import RetrievalClient  # noqa: E402
+from servers import error_line, raw_exchange  # noqa: E402
 
 
 def _word(i: int) -> str:
@@ -77,11 +78,9 @@ def test_deeply_nested_body_is_a_400(server):
 @pytest.mark.parametrize("length, status", [(None, 411), ("-1", 400), ("x", 400)])
 def test_a_missing_or_negative_content_length_is_answered_unread(server, length, status):
     head = b"POST /retrieve HTTP/1.1\r\n" + (f"Content-Length: {length}\r\n".encode() if length else b"") + b"\r\n"
-    with socket.create_connection(("127.0.0.1", server.server_port), timeout=10) as s:
-        s.sendall(head + b'{"queries": ["rock"]}')  # a body the server never reads
-        answer = s.makefile("rb").read()
+    answer, _ = raw_exchange(server.server_port, head + b'{"queries": ["rock"]}')  # a body the server never reads
     assert answer.startswith(f"HTTP/1.0 {status} ".encode()), answer[:200]
-    assert f"at most {rs.MAX_BODY_BYTES} bytes" in _one_line(json.loads(answer.split(b"\r\n\r\n", 1)[1]))
+    assert f"at most {rs.MAX_BODY_BYTES} bytes" in error_line(answer)
     assert _post(server, {"queries": ["rock"]})[0] == 200
 
 
@@ -106,7 +105,7 @@ def test_a_dripping_client_gets_408_within_the_deadline(server):
     took = time.monotonic() - start
     assert answer.startswith(b"HTTP/1.0 408"), answer[:200]
     assert 1.5 < took < 5, took  # the deadline is twice the 1 s timeout
-    assert "did not arrive within 2 s" in _one_line(json.loads(answer.split(b"\r\n\r\n", 1)[1]))
+    assert "did not arrive within 2 s" in error_line(answer)
     assert _post(server, {"queries": ["rock"]})[0] == 200
 
 
@@ -123,7 +122,7 @@ def test_connections_past_the_limit_get_503(server, monkeypatch):
         with socket.create_connection(("127.0.0.1", server.server_port), timeout=5) as s:
             answer = s.makefile("rb").read()
         assert answer.startswith(b"HTTP/1.0 503"), answer[:200]
-        assert "connections at once" in _one_line(json.loads(answer.split(b"\r\n\r\n", 1)[1]))
+        assert "connections at once" in error_line(answer)
     finally:
         for s in held:
             s.close()

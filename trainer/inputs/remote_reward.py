@@ -27,7 +27,6 @@ sequence-classification model this way.
 from __future__ import annotations
 
 import http.client
-import ipaddress
 import json
 import math
 import numbers
@@ -41,6 +40,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import RewardError
+from ..urls import is_loopback
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _MAX_BACKOFF_S = 8.0
@@ -55,18 +55,6 @@ def answer_limit(items: int) -> int:
     """The most bytes read of the answer to a request of `items` items: 1 MiB plus 4 KiB an item (room
     for a scorer's extra fields), at most MAX_ANSWER_BYTES."""
     return min(MAX_ANSWER_BYTES, (1 << 20) + 4096 * items)
-
-
-def is_loopback(url: str) -> bool:
-    """Whether the URL's host is this machine (localhost, 127.0.0.0/8, ::1): plain http to it crosses no
-    network."""
-    host = (urllib.parse.urlsplit(url).hostname or "").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def infrastructure_secret(name: str) -> bool:
