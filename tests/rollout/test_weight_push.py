@@ -145,12 +145,12 @@ def _config(sleeps: bool, engine: str = "vllm", gpus: int = 1):
     )
 
 
-def _cluster(ray, actor_device: str, rollout_in_actor: bool = False):
+def _cluster(ray, actor_device: str, rollout_in_actor: bool = False, engine_gpus: float = 1.0):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
     engines = [ray.remote(SleepyEngine).remote() for _ in range(2)]
     actor = Group([ray.remote(ActorRank).remote(engines) for _ in range(2)], "actor", actor_device)
     rollout = actor if rollout_in_actor else Group(engines, "engine")
-    roles = SimpleNamespace(actor=actor, rollout=rollout, rollout_in_actor=rollout_in_actor)
+    roles = SimpleNamespace(actor=actor, rollout=rollout, rollout_in_actor=rollout_in_actor, engine_gpus=engine_gpus)
     queue = RolloutQueue(engines, rollout.labels(), 30.0)
     return roles, queue, engines
 
@@ -211,14 +211,18 @@ def test_without_sleep_mode_the_engines_are_never_put_to_sleep(ray_local):
         assert calls.count("receive_broadcast") == 2 * 3  # both actor ranks drive every engine, every step
 
 
-def test_the_push_is_chosen_once_from_the_config_and_the_actors_device(ray_local):
+def test_the_push_is_chosen_once_from_the_placement_and_the_actors_device(ray_local):
     import ray
 
     roles, queue, _ = _cluster(ray, "cuda:0", rollout_in_actor=True)
     assert WeightPush(_config(sleeps=False), roles, queue).mode == "none"
     roles, queue, _ = _cluster(ray, "cuda:0")
     assert WeightPush(_config(sleeps=False, engine="hf"), roles, queue).mode == "object_store"
-    assert WeightPush(_config(sleeps=False, gpus=0), roles, queue).mode == "object_store"
+    roles, queue, _ = _cluster(ray, "cuda:0", engine_gpus=0.0)  # the engines got no GPU
+    push = WeightPush(_config(sleeps=False, gpus=0), roles, queue)
+    assert push.mode == "object_store" and push.describe(_config(sleeps=False, gpus=0)).startswith(
+        "weight push: Ray object store (engines on CPU"
+    )
 
 
 def test_with_policy_lag_the_nccl_push_waits_for_the_batch_in_flight(ray_local):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..errors import PlacementTimeout
 from ..waiting import get_all
 from .cluster import alive_nodes
-from .placement import RoleRequest, Slot, describe_cluster, plan_slots, worker_count
+from .placement import RoleRequest, Slot, describe_cluster, engine_gpus, plan_slots, worker_count
 from .workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
 
 # Settings the collective libraries read: passed from the job's environment to every worker, so
@@ -120,6 +120,8 @@ class Roles:
     critic: ActorGroup | None = None
     reference: ActorGroup | None = None
     placement_groups: list = field(default_factory=list)
+    engine_gpus: float = 0.0
+    """The GPUs the rollout engines hold in the placement Ray reserved (placement.engine_gpus)."""
 
     @property
     def rollout_in_actor(self) -> bool:
@@ -234,6 +236,7 @@ def launch_roles(
             critic=groups.get("critic"),
             reference=groups.get("reference"),
             placement_groups=list(pgs.values()),
+            engine_gpus=engine_gpus(requests),
         )
     except BaseException:
         from ray.util import remove_placement_group

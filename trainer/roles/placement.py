@@ -244,10 +244,10 @@ def plan(cfg: Config) -> list[RoleRequest]:
     return requests
 
 
-def engine_gpus(cfg: Config) -> float:
-    """The GPUs the rollout engines hold in the plan Ray reserves: their own bundles', or under
-    `placement.colocate_all` the actor's, which they share; 0 when they run on CPU or in the actor."""
-    for request in plan(cfg):
+def engine_gpus(requests: list[RoleRequest]) -> float:
+    """The GPUs the rollout engines hold in a plan (`plan(cfg)`, what Ray reserves): their own bundles', or
+    under `placement.colocate_all` the actor's, which they share; 0 when they run on CPU or in the actor."""
+    for request in requests:
         if request.role == "rollout" or "rollout" in request.guests:
             return sum(bundle.get("GPU", 0.0) for bundle in request.bundles)
     return 0.0

@@ -84,23 +84,19 @@ class WeightPush:
 
     @staticmethod
     def choose(cfg, roles) -> PushMode:
-        """From the placement: the GPUs the engines hold in the plan Ray reserved (`placement.engine_gpus`),
-        and whether the actor really computes on CUDA there (`where()`; logical GPUs rehearsed on CPU do not).
-        `push_mode` decides."""
-        from ..roles.placement import engine_gpus
-
+        """From the placement: the GPUs the engines hold in what Ray reserved (`roles.engine_gpus`), and whether
+        the actor really computes on CUDA there (`where()`; logical GPUs rehearsed on CPU do not). `push_mode`
+        decides."""
         if roles.rollout_in_actor:
             return "none"
         actor_on_cuda = roles.actor.where()[0]["device"].startswith("cuda")
-        return push_mode(cfg, actor_on_cuda, engine_gpus(cfg))
+        return push_mode(cfg, actor_on_cuda, roles.engine_gpus)
 
     def describe(self, cfg) -> str:
         """The line a run prints once at start: how the weights reach the engines."""
-        from ..roles.placement import engine_gpus
-
         if self.mode == "none":
             return "weight push: none (the actor's workers generate with the weights they train)"
-        gpus = f"{engine_gpus(cfg):g}"
+        gpus = f"{self.roles.engine_gpus:g}"
         if self.mode == "nccl":
             how = {"nccl": "NCCL", "ipc": "CUDA IPC", "sglang": "NCCL (SGLang's group)"}[transfer_backend(cfg)]
             return f"weight push: {how}, {gpus} engine GPU(s), {cfg.model.dtype}"
