@@ -5,17 +5,20 @@
     python bench/mfu.py --out mfu.json                   # also write the rows as JSON
 
 Needs torch and transformers only. One PolicyWorker (world size 1, FSDP2 over fp32 masters with bf16 compute
-on CUDA, AdamW, a frozen reference) is built once; each variant then changes only what the config lets a user
-change (packing, the micro-batch token budget, gradient checkpointing, the attention kernel) and runs one
+on CUDA, AdamW; no reference, which the update does not use) is built once; each variant then changes only what the config lets a user
+change (packing, the micro-batch size or token budget, gradient checkpointing) and runs one
 warm-up update and `--repeats` timed ones on the same synthetic batch: prompts of `--prompt-len` tokens and
 responses of uniform random length up to `--response-len` (the ragged shape RL produces).
 
 Per variant the table gives: the update's seconds; of those, the optimizer step (`optimizer.step` and
 `zero_grad`, timed between device synchronisations); the forward-only pass over the same batch (PPO's old
-log-probs); the host synchronisations the update makes (`torch.cuda.set_sync_debug_mode`); the peak memory;
-and the MFU as the trainer reports it (trainer/roles/flops.py: 6 x matmul parameters + attention, per token,
-over the device's dense bf16 peak). The last column is the ratio to the first row (padded micro-batches, the
-default). On CPU the MFU is not known (no peak) and the table shows tokens per second only.
+log-probs); the host synchronisations the update makes (`torch.cuda.set_sync_debug_mode`); the worker's own
+peak memory; and the MFU as the trainer reports it (trainer/roles/flops.py: 6 x matmul parameters + attention,
+per token, over the device's dense bf16 peak). The last column is the ratio to the first row (padded
+micro-batches at the whole batch's width: the layout before each micro-batch was cut to its own). With the
+flash-attn package installed a packed flash_attention_2 row is added. On CPU the MFU is not known (no peak)
+and the table shows tokens per second only. `--profile N` profiles one more update of row N (time by kernel
+kind, the top kernels, the device's idle time).
 """
 
 from __future__ import annotations
@@ -250,7 +253,7 @@ def main(argv=None) -> int:
     variants = VARIANTS
     if args.variants:
         variants = [VARIANTS[int(i)] for i in args.variants.split(",")]
-    if cuda and importlib_flash():
+    if cuda and has_flash_attn():
         variants = variants + [dict(VARIANTS[6], name="packed 16k, flash_attention_2", attention="flash_attention_2")]
     tmp = tempfile.TemporaryDirectory(prefix="mfu-")
     start = time.perf_counter()
@@ -359,7 +362,7 @@ def profile(worker, batch, variant: dict, cuda: bool) -> None:
         print(f"    {us / 1e6:8.3f} s  {name[:110]}")
 
 
-def importlib_flash() -> bool:
+def has_flash_attn() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("flash_attn") is not None
