@@ -74,9 +74,15 @@ def test_two_workers_match_one_on_the_same_global_batch(ray_local, fsdp):
         finally:
             group.kill()
             remove_placement_group(pg)
+    # Each rank cuts its padded micro-batches to their own width, so float32 rounds otherwise than one rank's;
+    # AdamW's first step turns a gradient's rounding near zero into up to 2 x lr for that element. So: every
+    # element within 2 x lr, and all but a sliver (1%) equal to 1e-5, where wrong averaging moves nearly all.
     changed = 0
+    lr = cfg.actor.lr
     for name, value in results[1].items():
-        torch.testing.assert_close(results[2][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(results[2][name], value, rtol=0, atol=2 * lr + 1e-6, msg=name)
+        off = ~torch.isclose(results[2][name], value, rtol=1e-5, atol=1e-6)
+        assert off.float().mean() <= 0.01, (name, int(off.sum()), off.numel())
         changed += not torch.equal(value, initial[name])
     assert changed > len(results[1]) // 2
 
