@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_smoke import import_trainer  # noqa: E402  (the trainer from the installed package or this checkout)
+from gpu_smoke import free_port, import_trainer  # noqa: E402  (the trainer from the installed package or this checkout)
 
 SIZES = {
     # name: hidden, layers, intermediate, heads, kv heads, vocab
@@ -366,14 +366,6 @@ def has_flash_attn() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("flash_attn") is not None
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def print_table(results: list[dict], cuda: bool) -> None:
