@@ -58,6 +58,24 @@ def tiny_straight_run(ray_local, tmp_path_factory):
     return train_tiny_straight_run(tmp_path_factory.mktemp("tiny-straight"))
 
 
+# Two pytest-xdist workers (README's test command: `-n 2 --dist loadgroup`): every test that starts a cluster, a
+# network namespace or a vLLM engine, or uses the session's Ray instance, runs on one worker in one group, one
+# after the other as without xdist (their module and session fixtures are shared, their CPU-bound bring-ups do
+# not compete); the tests that start none of these run beside them on the other worker.
+CLUSTER_MARKERS = ("ray", "netns", "vllm")
+CLUSTER_FIXTURES = {"ray_local", "tiny_straight_run"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The bundle's simulated clusters go last (each module kept whole, the rest in collection order): their
+    # give-up tests bound how long a bring-up may take, and by then the other worker's tests are done.
+    items.sort(key=lambda item: item.nodeid.startswith("tests/bundle/"))
+    for item in items:
+        marked = any(item.get_closest_marker(name) for name in CLUSTER_MARKERS)
+        if marked or CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
 # Where the time went: pyproject.toml's addopts print the 40 slowest test phases; this adds the total per test
 # folder (setup, call and teardown, module fixtures included), so every CI log says which wing costs what.
 _FOLDER_SECONDS: dict[str, float] = {}

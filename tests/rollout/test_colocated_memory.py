@@ -130,6 +130,7 @@ def test_trainers_release_cached_memory_before_the_engines_wake(log):
         reward=Group("reward", log, count=1),
         rollout=Group("engine", log),
         rollout_in_actor=False,
+        engine_gpus=2.0,
     )
     queue = SimpleNamespace(pushed_by_actor=lambda: log.append("queue.pushed_by_actor"), generating=lambda: [])
     push = WeightPush(colocated(), roles, queue)
@@ -153,7 +154,10 @@ def test_trainers_release_cached_memory_before_the_engines_wake(log):
 
 def test_engines_on_their_own_gpus_release_nothing(log):
     roles = SimpleNamespace(
-        actor=Group("actor", log, master_address=_address), rollout=Group("engine", log), rollout_in_actor=False
+        actor=Group("actor", log, master_address=_address),
+        rollout=Group("engine", log),
+        rollout_in_actor=False,
+        engine_gpus=2.0,
     )
     cfg = load_config("local", ["rollout.engine=vllm", "actor.gpus_per_node=1", "rollout.gpus_per_engine=1"])
     cfg.rollout.sleep_between_rollouts = True
