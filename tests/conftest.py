@@ -66,14 +66,17 @@ CLUSTER_MARKERS = ("ray", "netns", "vllm")
 CLUSTER_FIXTURES = {"ray_local", "tiny_straight_run"}
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # As each test is collected, so the group is there before xdist's collection hook reads it.
+    marked = any(item.get_closest_marker(name) for name in CLUSTER_MARKERS)
+    if marked or CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The bundle's simulated clusters go last (each module kept whole, the rest in collection order): their
     # give-up tests bound how long a bring-up may take, and by then the other worker's tests are done.
     items.sort(key=lambda item: item.nodeid.startswith("tests/bundle/"))
-    for item in items:
-        marked = any(item.get_closest_marker(name) for name in CLUSTER_MARKERS)
-        if marked or CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
 # Where the time went: pyproject.toml's addopts print the 40 slowest test phases; this adds the total per test
