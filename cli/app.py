@@ -293,7 +293,10 @@ def _submit(
         _follow(client, job_id, lambda: follow_through_restarts(client, job_id, resubmit, reconnect_wait, typer.echo))
 
 
-@app.command(epilog="Examples: cloudrl plan --preset gsm8k-7b    |    cloudrl plan -p gsm8k-7b actor.fsdp=false")
+@app.command(
+    epilog="Examples: cloudrl plan --preset gsm8k-7b    |    cloudrl plan -p gsm8k-7b actor.fsdp=false    |    "
+    "dstack offer --gpu 8 --json > offers.json && cloudrl plan -p gsm8k-7b --offers offers.json --max-price 60"
+)
 def plan(
     overrides: Annotated[
         list[str] | None,
@@ -305,12 +308,28 @@ def plan(
     gpu_memory_gib: Annotated[
         float, typer.Option("--gpu-memory-gib", metavar="GIB", help="Memory of one GPU (80: H100/A100 80GB).")
     ] = 80.0,
+    offers: Annotated[
+        str,
+        typer.Option(
+            "--offers",
+            metavar="FILE",
+            show_default=False,
+            help="`dstack offer --json` output (`-`: stdin): list the offers the config fits on, cheapest first.",
+        ),
+    ] = "",
+    max_price: Annotated[
+        float, typer.Option("--max-price", metavar="USD", help="With --offers: the most per hour of all nodes.")
+    ] = 0.0,
 ) -> None:
     """Print what each GPU of every role and engine holds, and its peak, from the model's config.json alone;
-    exit 1 naming the keys that would make it fit when a role's GPUs cannot hold it."""
-    from .plan import show_plan
+    exit 1 naming the keys that would make it fit when a role's GPUs cannot hold it. With --offers, list the
+    dstack offers on which the plan fits and every role can be placed, with the nodes each needs."""
+    from .plan import show_offers, show_plan
 
-    show_plan(preset, overrides or [], gpu_memory_gib, typer.echo)
+    if offers:
+        show_offers(preset, overrides or [], offers, max_price, typer.echo)
+    else:
+        show_plan(preset, overrides or [], gpu_memory_gib, typer.echo)
 
 
 # ----------------------------------------------------------------------------------------------

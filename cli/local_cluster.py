@@ -134,6 +134,27 @@ def check_capacity(nodes: int, object_store_mb: int) -> None:
     )
 
 
+def node_args(ray_exe: str, temp_dir: str, cpus: int, object_store_mb: int, gpus: int | None) -> list[str]:
+    """`ray start --block` for one node on 127.0.0.1 with its own temp dir and self-chosen ports: what a head
+    and a worker of a local cluster share (a worker adds `--address`, the head its dashboard and ports)."""
+    args = [
+        ray_exe,
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        "--node-ip-address",
+        "127.0.0.1",
+        f"--num-cpus={cpus}",
+        f"--object-store-memory={object_store_mb * 1024 * 1024}",
+        f"--temp-dir={temp_dir}",
+        "--min-worker-port=0",
+        "--max-worker-port=0",
+    ]
+    if gpus is not None:
+        args.append(f"--num-gpus={gpus}")
+    return args + [f"--{k}=0" for k in SELF_BOUND_PORTS]
+
+
 def up(
     nodes: int = 1,
     cpus_per_node: int | None = None,
@@ -229,21 +250,7 @@ def _start(
             state["debugger_attach"] = attach_command(gcs, state["token_file"], ray_exe)
         node_env = {**_node_env(token), **debugger_env(debugger, state.get("debugger_attach", ""))}
         for i in range(nodes):
-            args = [
-                ray_exe,
-                "start",
-                "--block",
-                "--disable-usage-stats",
-                "--node-ip-address",
-                "127.0.0.1",
-                f"--num-cpus={cpus}",
-                f"--object-store-memory={object_store_mb * 1024 * 1024}",
-                f"--temp-dir={root}/n{i}",
-                "--min-worker-port=0",
-                "--max-worker-port=0",
-            ]
-            if gpus_per_node is not None:
-                args.append(f"--num-gpus={gpus_per_node}")
+            args = node_args(ray_exe, f"{root}/n{i}", cpus, object_store_mb, gpus_per_node)
             if i == 0:
                 args += [
                     "--head",
@@ -253,7 +260,6 @@ def _start(
                 ] + [f"--{k}={v}" for k, v in head_ports.items()]
             else:
                 args.append(f"--address={gcs}")
-            args += [f"--{k}=0" for k in SELF_BOUND_PORTS]
             with _sigint_deferred():
                 state["nodes"].append(spawn(args, Path(root) / f"n{i}.log", node_env))
                 save_state(state)

@@ -375,6 +375,10 @@ class PlacementConfig:
     """HF engine: the actor's workers generate with the policy they train (no rollout workers, no weight sync)."""
     timeout_s: float = 60.0
     """Fail when placement groups are not ready after this long (instead of hanging)."""
+    check_versions: bool = True
+    """Before any worker starts, every node the roles landed on reports Python, torch, transformers, vLLM,
+    SGLang, Ray, peft, CUDA, NCCL, the NVIDIA driver and its GPU model; a node that differs stops the job with
+    one line (roles/versions.py). false: run anyway."""
 
 
 @dataclass
@@ -425,6 +429,11 @@ class TrainerConfig:
     """Ray cluster to join; empty = the one the job was submitted to, or a new local one."""
     worker_timeout_s: float = 600.0
     """Longest wait for a worker to start, join its process group or finish a weight sync (then stop with a line)."""
+    hang_timeout_s: float = 600.0
+    """Longest wait on the loop's calls to the workers (generation, rewards, log-probs, values, updates): the
+    larger of this and 5x that phase's median so far. Past it, every stuck worker's Python stack is kept in
+    run_dir/hangs/, one line names where each is stuck, and the roles restart from the latest checkpoint
+    (trainer.max_restarts). 0: unbounded, as a wait without a watchdog."""
     peak_tflops: float = 0.0
     """Peak dense TFLOPs of one device in the compute dtype, for the perf/*_mfu metrics. 0: from the table of
     known GPUs (by torch.cuda.get_device_name); on a CPU or an unknown GPU MFU is then not reported."""

@@ -248,6 +248,7 @@ RANGES: dict[str, Range] = {
     "trainer.val_n": COUNT,
     "trainer.val_temperature": POSITIVE,
     "trainer.worker_timeout_s": POSITIVE,
+    "trainer.hang_timeout_s": NON_NEGATIVE,  # 0 = no watchdog
     "trainer.max_restarts": NON_NEGATIVE,
     "trainer.restart_wait_s": NON_NEGATIVE,
     "trainer.peak_tflops": NON_NEGATIVE,  # 0 = from the GPU's name

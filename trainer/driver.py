@@ -29,6 +29,7 @@ from .algo.advantages import compute_advantages, kl_controller
 from .algo.batch import Batch, build_batch, split_batch, update_shards
 from .algo.evaluation import length_metrics, sampled_metrics
 from .config import Config
+from .hangs import WATCH
 from .inputs.data import PromptLoader, PromptRecord
 from .metrics import MetricsLogger, Timer, format_eval_table, format_summary, print_sample
 from .rollout.engines import SamplingSettings
@@ -103,8 +104,10 @@ class Trainer:
             None if cfg.reward.in_driver else roles.reward.workers,
             samples=bool(cfg.rollout.environment),
             score_here=inputs.score_here(cfg.reward) if cfg.reward.in_driver else None,
+            scorer_labels=[] if cfg.reward.in_driver else roles.reward.labels(),
         )
-        self.in_flight = StepsInFlight(self.rollouts, settle_each_step=not cfg.rollout.policy_lag)
+        critic_labels = roles.critic.labels() if cfg.uses_critic else []
+        self.in_flight = StepsInFlight(self.rollouts, not cfg.rollout.policy_lag, roles.actor.labels(), critic_labels)
         self.push_weights = WeightPush(cfg, roles, self.rollouts)
         print(self.push_weights.describe(cfg), flush=True)
         self.env_failures = FailureReport()
@@ -193,6 +196,7 @@ class Trainer:
         metrics.update(sampled.metrics)
         metrics["actor/kl_coef"] = kl_coef
         metrics["trainer/restarts"] = self.restarts
+        metrics.update(WATCH.stragglers.metrics())
         tokens = float(response_mask.sum())
         sent = SentStep(self.global_step, metrics, timer, started, update_sent, actor_refs, critic_refs, tokens)
         hold = bool(cfg.rollout.policy_lag) and not self.must_see_weights(self.global_step)
@@ -225,7 +229,7 @@ class Trainer:
             settings = self.sampling(self.global_step)
             settings.seed += 7 * len(generated)  # each round samples afresh, reproducibly
             t0 = time.perf_counter()
-            got = self.rollouts.generate(prompts, settings)
+            got = self.rollouts.generate(prompts, settings, what=f"generating step {self.global_step}'s extra samples")
             waited = time.perf_counter() - t0
             generated.append(self.score(got))
             return Round(prompts, got.completions, generated[-1], waited)
@@ -269,16 +273,16 @@ class Trainer:
     def logprobs_and_values(self, batch: Batch, timer: Timer) -> None:
         """Fill `batch` with the log-probs of the policy before the update (unless the update's own
         forward pass gives them, `on_policy`), the reference's, and the critic's values."""
-        import ray
-
         cfg = self.cfg
         roles = self.roles
         model_inputs = batch.only("input_ids", "attention_mask", "response_mask")
 
         def on_every_rank(group, method: str) -> torch.Tensor:
             parts = split_batch(model_inputs, group.world_size)
-            calls = [getattr(w, method).remote(part) for w, part in zip(group.workers, parts) if part.size]
-            return torch.cat(ray.get(calls))
+            sent = [(w, label, part) for w, label, part in zip(group.workers, group.labels(), parts) if part.size]
+            calls = [getattr(w, method).remote(part) for w, _, part in sent]
+            what = f"step {self.global_step}: the {group.name}'s {method}"
+            return torch.cat(WATCH.wait(f"{group.name} {method}", calls, [label for _, label, _ in sent], what))
 
         with timer("ref"):
             if not self.on_policy():
@@ -404,7 +408,7 @@ class Trainer:
         completions: list = []
         for start in range(0, len(records), size):
             chunk = records[start : start + size]
-            got = self.rollouts.generate(chunk, settings)
+            got = self.rollouts.generate(chunk, settings, "validation", "generating validation samples")
             scores += self.score(got, "a validation batch").tolist()
             completions += got.completions
         return scores, completions

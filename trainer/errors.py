@@ -27,6 +27,22 @@ class PlacementTimeout(TrainerError, RuntimeError):
 class WorkerTimeout(TrainerError, RuntimeError):
     """A worker or engine did not answer in time (process-group start, engine start, weight sync)."""
 
+    def __init__(self, message: str, late: list[str] | tuple = (), stuck: str = ""):
+        super().__init__(message)
+        self.late = list(late)
+        """The labels of the calls that did not answer (`actor rank 1 on 10.0.0.2`)."""
+        self.stuck = stuck
+        """Where those workers were stuck, when the driver could ask them (hangs.Watch.explain); else ""."""
+
+
+class WorkerHung(WorkerTimeout):
+    """A watched wait of the loop ran out (trainer.hang_timeout_s, hangs.py): recovery restarts the roles."""
+
+    def __init__(self, message: str, late: list[str], stuck: str, lost: str):
+        super().__init__(message, late, stuck)
+        self.lost = lost
+        """`actor rank 0 on 10.0.0.2: hung (the actor's update: no answer within 600s)`: what recovery reports."""
+
 
 class CheckpointError(TrainerError, RuntimeError):
     """A checkpoint directory that cannot be written or read."""

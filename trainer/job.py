@@ -34,6 +34,7 @@ from .waiting import worker_errors
 
 def run_job(cfg: Config, trainer_class) -> dict:
     """Run the whole training job with `trainer_class` (driver.Trainer) and return its summary."""
+    from .hangs import WATCH
     from .inputs.prepare import decide_resume, prepare
     from .recovery import StopRequest, run_with_restarts, stop_grace_s
     from .roles.launch import launch_roles
@@ -62,11 +63,13 @@ def run_job(cfg: Config, trainer_class) -> dict:
                 return launch_roles(cfg, requests, inputs.model_path, inputs.critic_path)
 
             def run(roles, restarts: int) -> dict:
-                trainer = trainer_class(cfg, roles, inputs, restarts, stop)
-                if cfg.trainer.eval_only:  # scores a model: run_dir's config and timeline stay as they are
-                    return trainer.evaluate()
-                record_start(cfg, roles)
-                return trainer.fit()
+                # Each attempt bounds the loop's waits on the workers and names where a stuck one is (hangs.py).
+                with WATCH.watching(cfg.trainer.run_dir, cfg.trainer.hang_timeout_s):
+                    trainer = trainer_class(cfg, roles, inputs, restarts, stop)
+                    if cfg.trainer.eval_only:  # scores a model: run_dir's config and timeline stay as they are
+                        return trainer.evaluate()
+                    record_start(cfg, roles)
+                    return trainer.fit()
 
             return run_with_restarts(cfg, requests, inputs, start_roles, run)
     finally:

@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 
-from .errors import RecoveryFailed, Stopped, first_line
+from .errors import RecoveryFailed, Stopped, WorkerHung, first_line
 from .state import checkpoint
 
 # A collective whose peer process died: gloo and NCCL report it in these words.
@@ -133,10 +133,12 @@ def _say(line: str) -> None:
 
 
 def lost_component(exc: BaseException, roles) -> str | None:
-    """`actor rank 1 on 10.0.0.2: <Ray's reason>` when `exc` says a worker, engine or node is gone;
+    """`actor rank 1 on 10.0.0.2: <Ray's reason>` when `exc` says a worker, engine or node is gone or hung;
     None for any other error (those end the run as before)."""
     from ray.exceptions import NodeDiedError, RayActorError, RayTaskError
 
+    if isinstance(exc, WorkerHung):  # a watched wait ran out (hangs.py): its stacks are kept, restart
+        return exc.lost
     if isinstance(exc, NodeDiedError):
         return f"a node: {_first_line(exc)}"
     if isinstance(exc, RayActorError):
@@ -340,9 +342,10 @@ def run_with_restarts(cfg, requests, inputs, launch, run) -> dict:
             if lost is None:
                 raise
             if restarts >= cfg.trainer.max_restarts:
+                fix = "fix what it is stuck on (or raise trainer.hang_timeout_s)" if isinstance(exc, WorkerHung) else ""
                 raise RecoveryFailed(
                     f"lost {lost}; no restart left (trainer.max_restarts={cfg.trainer.max_restarts}): "
-                    f"fix the cluster, then {RESUME_BY_HAND}"
+                    f"{fix or 'fix the cluster'}, then {RESUME_BY_HAND}"
                 ) from exc
             restarts += 1
             print(

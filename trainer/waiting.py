@@ -11,34 +11,53 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .errors import TrainerError, WorkerTimeout
 
 
 def get_all(
-    refs: list, labels: list[str], timeout_s: float, what: str, setting: str = "trainer.worker_timeout_s"
+    refs: list,
+    labels: list[str],
+    timeout_s: float,
+    what: str,
+    setting: str = "trainer.worker_timeout_s",
+    started: float | None = None,
+    fetch: bool = True,
+    on_done: Callable[[int], None] | None = None,
 ) -> list:
-    """`ray.get(refs)`, or WorkerTimeout naming every call still running after `timeout_s` seconds.
+    """`ray.get(refs)`, or WorkerTimeout naming every call still running after `timeout_s` seconds (and, for
+    the workers the driver's hangs.WATCH knows, where each is stuck: hangs.py).
     A call that failed raises as soon as it ends, without waiting for the others (a critic that
-    cannot load does not wait for a large policy to finish loading elsewhere)."""
+    cannot load does not wait for a large policy to finish loading elsewhere). `started`: the monotonic time
+    the calls were sent, when the bound counts from then; `fetch=False` only waits for them to finish (their
+    results, and failures, stay for a later `ray.get`); `on_done(i)` as call i answers."""
     import ray
 
-    deadline = time.monotonic() + timeout_s
+    deadline = (time.monotonic() if started is None else started) + timeout_s
     pending, results = list(refs), {}
     while pending:
         done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not done:
             break
-        results[done[0]] = ray.get(done[0])  # raises now if that call failed
+        if on_done is not None:
+            on_done(refs.index(done[0]))  # which call answered, as it does (the straggler check times each)
+        if fetch:
+            results[done[0]] = ray.get(done[0])  # raises now if that call failed
     if pending:
+        from .hangs import WATCH
+
         late = [label for ref, label in zip(refs, labels) if ref in pending]
+        stuck = WATCH.explain(late, what)  # where each of our workers sits, when they are ours
         raise WorkerTimeout(
-            f"{what}: no answer from {', '.join(late)} within {setting}={timeout_s:g}s; the process may "
-            f"be stuck on the network (NCCL_SOCKET_IFNAME, firewalled ports) or dead: read its log "
-            f"(`ray logs` or the dashboard), fix that, or raise {setting}"
+            f"{what}: no answer from {', '.join(late)} within {setting}={timeout_s:g}s"
+            f"{'; ' + stuck if stuck else ''}; the process may be stuck on the network (NCCL_SOCKET_IFNAME, "
+            f"firewalled ports), in user code, or dead: read its log (`ray logs` or the dashboard), fix that, "
+            f"or raise {setting}",
+            late,
+            stuck,
         )
-    return [results[ref] for ref in refs]
+    return [results[ref] for ref in refs] if fetch else []
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""What the CLI tests share: one token-protected local cluster for the whole test run.
+"""What the CLI tests share: one token-protected local cluster for the whole test run, and Qwen2.5-7B's shape
+for the plan tests.
 
 `cloudrl local up --nodes 2` starts it the first time a test asks for `cluster` (so `up` is under test),
 with a state dir of its own; `cloudrl local down` stops it after the last test of tests/cli/, and that
@@ -99,3 +100,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             _down(cluster)
         except AssertionError as exc:
             session.config.get_terminal_writer().line(f"stopping the CLI tests' local cluster: {exc}", red=True)
+
+
+@pytest.fixture(scope="module")
+def qwen_7b(tmp_path_factory) -> str:
+    """Qwen2.5-7B's shape as a config.json, without weights: all the plan reads."""
+    from model_shapes import QWEN_7B
+
+    path = tmp_path_factory.mktemp("qwen-7b")
+    QWEN_7B.save_pretrained(path)
+    return str(path)

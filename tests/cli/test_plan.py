@@ -2,28 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 import typer.testing
 from cloudrl.cli.app import app
-from transformers import Qwen2Config
 
 runner = typer.testing.CliRunner()
-
-
-@pytest.fixture(scope="module")
-def qwen_7b(tmp_path_factory) -> str:
-    """Qwen2.5-7B's shape as a config.json, without weights: all the plan reads."""
-    path = tmp_path_factory.mktemp("qwen-7b")
-    Qwen2Config(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ).save_pretrained(path)
-    return str(path)
 
 
 def test_plan_prints_each_role_and_engine(qwen_7b):

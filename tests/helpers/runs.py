@@ -56,6 +56,28 @@ def local_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int):
         os.environ.pop("CLOUDRL_LOCAL_DASHBOARD_PORT", None)
 
 
+def start_worker_node(state: dict, name: str, cpus: int, env: dict | None = None) -> dict:
+    """One more node joining the `local_cluster` at `state`: `ray start --block` in its own session (stop it
+    with cloudrl.cli.node_processes.stop_node), `env` on top of the node's environment."""
+    from cloudrl.cli import local_cluster as cluster
+    from cloudrl.cli.node_processes import spawn
+
+    root = Path(state["root"])
+    args = cluster.node_args(cluster._ray_executable(), f"{root}/{name}", cpus, 200, 0)
+    args.append(f"--address={state['gcs_address']}")
+    return spawn(args, root / f"{name}.log", {**cluster._node_env(), **(env or {})})
+
+
+def wait_nodes(state: dict, count: int, timeout_s: float = 120) -> None:
+    """Until the `local_cluster` at `state` has `count` alive nodes (bounded)."""
+    from cloudrl.cli import local_cluster as cluster
+
+    deadline = time.time() + timeout_s
+    while cluster._alive_nodes(state["dashboard_url"]) != count:
+        assert time.time() < deadline, f"the cluster did not reach {count} alive nodes"
+        time.sleep(0.5)
+
+
 def run_trainer(*args: str, env: dict | None = None, timeout: float = 300):
     """`python -m cloudrl.trainer ARGS` in a subprocess; returns the CompletedProcess."""
     full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

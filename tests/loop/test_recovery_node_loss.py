@@ -19,43 +19,10 @@ import psutil
 import pytest
 import torch
 from cloudrl.trainer.state import checkpoint
-from runs import REPO, local_cluster, tiny_overrides
+from runs import REPO, local_cluster, start_worker_node, tiny_overrides, wait_nodes
 
 pytestmark = pytest.mark.ray
 CPUS = 4
-
-
-def _start_worker_node(state: dict, name: str) -> dict:
-    """One more node joining the cluster: `ray start --block` in its own session (stopped by PID)."""
-    from cloudrl.cli import local_cluster as cluster
-    from cloudrl.cli.node_processes import spawn
-
-    root = Path(state["root"])
-    args = [
-        cluster._ray_executable(),
-        "start",
-        "--block",
-        "--disable-usage-stats",
-        "--node-ip-address",
-        "127.0.0.1",
-        f"--num-cpus={CPUS}",
-        "--num-gpus=0",
-        f"--object-store-memory={200 * 1024 * 1024}",
-        f"--temp-dir={root}/{name}",
-        "--min-worker-port=0",
-        "--max-worker-port=0",
-        f"--address={state['gcs_address']}",
-    ]
-    return spawn(args, root / f"{name}.log", cluster._node_env())
-
-
-def _wait_nodes(state: dict, count: int, timeout_s: float = 120) -> None:
-    from cloudrl.cli import local_cluster as cluster
-
-    deadline = time.time() + timeout_s
-    while cluster._alive_nodes(state["dashboard_url"]) != count:
-        assert time.time() < deadline, f"the cluster did not reach {count} alive nodes"
-        time.sleep(0.5)
 
 
 def _sigkill_node(node: dict) -> None:
@@ -109,8 +76,8 @@ def test_a_lost_worker_node_is_replaced_and_the_run_finishes(private_cache, tmp_
     nodes = []
     with local_cluster(nodes=1, cpus_per_node=CPUS, gpus_per_node=0) as state:
         try:
-            nodes.append(_start_worker_node(state, "w1"))
-            _wait_nodes(state, 2)
+            nodes.append(start_worker_node(state, "w1", CPUS))
+            wait_nodes(state, 2)
             run_dir, log = tmp_path / "auto", tmp_path / "auto.log"
             proc = _driver(run_dir, state["gcs_address"], log)
             deadline = time.time() + 400
@@ -122,7 +89,7 @@ def test_a_lost_worker_node_is_replaced_and_the_run_finishes(private_cache, tmp_
             assert len({w["node_id"] for w in placement["critic"]}) == 2
             _sigkill_node(nodes[0])
             saved_at = int(checkpoint.latest(str(run_dir)).name.split("_")[1])
-            nodes.append(_start_worker_node(state, "w2"))  # the replacement instance
+            nodes.append(start_worker_node(state, "w2", CPUS))  # the replacement instance
             code = _finish(proc, 500)
             text = log.read_text()
             assert code == 0, text[-4000:]

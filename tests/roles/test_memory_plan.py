@@ -14,17 +14,9 @@ from cloudrl.trainer.roles.memory_plan import (
     plan_memory,
     shape_from_config,
 )
+from model_shapes import QWEN_7B
 from transformers import LlamaConfig, Qwen2Config
 
-QWEN_7B = Qwen2Config(
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    vocab_size=152064,
-    tie_word_embeddings=False,
-)
 QWEN_72B = Qwen2Config(
     hidden_size=8192,
     intermediate_size=29568,

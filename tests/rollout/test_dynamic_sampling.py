@@ -92,7 +92,7 @@ class _Queue:
     def __init__(self):
         self.calls = []
 
-    def generate(self, prompts, settings):
+    def generate(self, prompts, settings, phase="generation", what=""):
         self.calls.append(("generate", [p.prompt_ids[0] for p in prompts], settings.seed))
         return Rollouts(_round(prompts).completions, 0, 0.0, None, [p for p in prompts for _ in range(N)])
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import PlacementTimeout
+from ..hangs import WATCH
 from ..waiting import get_all
 from .cluster import alive_nodes
 from .placement import RoleRequest, Slot, describe_cluster, engine_gpus, plan_slots, worker_count
@@ -88,6 +89,7 @@ class ActorGroup:
                 self.timeout_s,
                 f"starting the {self.name} workers (loading the model included)",
             )
+            WATCH.register(self.labels(), self.places)  # so a hang of these workers can be placed
         return self.places
 
     def start_training(self) -> None:
@@ -184,6 +186,7 @@ def launch_roles(
     `classes` maps role names to worker classes (tests pass light probes to check placement alone)."""
     from ..inputs.models import resolve_path
     from .staging import stage_models
+    from .versions import check_one_stack
 
     classes = {**WORKER_CLASSES, **(classes or {})}
     cfg_dict = cfg.to_dict()
@@ -202,9 +205,12 @@ def launch_roles(
     try:
         for req in requests:
             pgs[req.role] = create_placement_group(req, cfg.placement.timeout_s)
+        nodes = placement_nodes(pgs.values())
+        if cfg.placement.check_versions:  # one stack on every node, or one line before any worker starts
+            check_one_stack(nodes, timeout)
         # Every node the groups landed on gets the models before any worker loads them.
         paths = [model_path, critic_path] + ([reward_model_path] if reward_model_path else [])
-        staged = stage_models(paths, placement_nodes(pgs.values()), timeout)
+        staged = stage_models(paths, nodes, timeout)
         model, critic = staged[model_path], staged[critic_path]
         args = {
             "actor": (cfg_dict, model),

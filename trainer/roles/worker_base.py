@@ -23,6 +23,7 @@ from ..algo import ppo_math as pm
 from ..algo.batch import Batch, position_ids
 from ..config import config_from_dict
 from ..errors import TrainerError
+from ..hangs import arm_stack_dump
 from ..inputs.models import dtype_of
 from ..metrics import Accumulator
 from .fsdp import ModelKind
@@ -166,11 +167,13 @@ class WorkerBase:
 
     def where(self) -> dict:
         """Node, process and GPU ids of this worker (the placement log, and the colocation plan). The
-        first call every worker gets: it raises the error of a constructor that failed."""
+        first call every worker gets: it raises the error of a constructor that failed, and arms the stack
+        dump the driver's hang watch asks for."""
         if self.start_error is not None:
             raise self.start_error
         import ray
 
+        arm_stack_dump()  # from now on the driver can ask where this process is stuck (hangs.py)
         ctx = ray.get_runtime_context()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = [g for g in visible.split(",") if g] if visible is not None else [str(g) for g in ray.get_gpu_ids()]

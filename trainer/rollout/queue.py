@@ -39,6 +39,7 @@ import torch
 
 from ..algo.batch import from_wire, split_evenly
 from ..errors import TrainerError
+from ..hangs import WATCH
 from ..metrics import Timer, combine
 from ..waiting import get_all
 from .engines import generation_throughput, object_store_push
@@ -65,6 +66,8 @@ class Rollouts:
     """With reward.in_driver: (responses' token ids, their prompts) -> rewards, run in the driver."""
     generation: dict = field(default_factory=dict)
     """The engines' generation speed (engines.generation_throughput); {} where not measured."""
+    score_labels: list[str] = field(default_factory=list)
+    """The reward worker of each of `score_refs` (`reward rank 0 on 10.0.0.2`), for the hang watch."""
 
     def scores(self, reward_function: str = "", timeout_s: float = 0.0):
         """The rewards [N], in the completions' order: the reward workers' (waiting for each part at most
@@ -83,7 +86,8 @@ class Rollouts:
             for ref in self.score_refs if timeout_s else ():
                 if not ray.wait([ref], timeout=timeout_s)[0]:
                     raise too_slow(f"reward.function={reward_function}", timeout_s, where=" on a reward worker")
-            scores = torch.cat([from_wire(s) for s in ray.get(self.score_refs)])
+            parts = WATCH.wait("reward", self.score_refs, self.score_labels, "scoring the samples")
+            scores = torch.cat([from_wire(s) for s in parts])
         # rollout.environment: each episode's summed environment rewards join its score
         return scores + torch.tensor(environment_rewards(self.completions), dtype=scores.dtype)
 
@@ -119,6 +123,10 @@ class InFlight:
     """The weight version the engines had when it started."""
     records: list
     """Each sample's prompt (n per prompt)."""
+    score_labels: list[str]
+    """The reward worker scoring each engine's part."""
+    sent: float
+    """time.monotonic() when the calls were sent (the hang watch counts from then)."""
 
 
 class RolloutQueue:
@@ -130,11 +138,13 @@ class RolloutQueue:
         scorers: list | None = None,
         samples: bool = False,
         score_here: Callable[[list, list], list[float]] | None = None,
+        scorer_labels: list[str] = (),
     ):
         """`scorers`: the reward workers, which score each engine's part as it finishes; None when
         the driver scores (reward.in_driver) with `score_here`. `samples`: the engines get each prompt's
         dataset row too (rollout.environment's `reset(sample)`)."""
         self.engines, self.labels, self.timeout_s, self.scorers = engines, labels, timeout_s, scorers
+        self.scorer_labels = list(scorer_labels) or [f"reward worker {i}" for i in range(len(scorers or []))]
         self.samples = samples
         self.score_here = score_here
         self.version = 0
@@ -144,6 +154,7 @@ class RolloutQueue:
         """The last push's calls not yet collected by `settle`, and their labels."""
 
     def _launch(self, step: int, prompts: list[PromptRecord], settings) -> InFlight:
+        sent = time.monotonic()
         chunks = [c for c in split_evenly(prompts, len(self.engines)) if c]
         if self.samples:
             refs = [
@@ -154,23 +165,31 @@ class RolloutQueue:
             refs = [
                 e.generate.remote([p.prompt_ids for p in chunk], settings) for e, chunk in zip(self.engines, chunks)
             ]
-        score_refs = None
+        score_refs, score_labels = None, []
         if self.scorers:
             score_refs = [
                 self.scorers[i % len(self.scorers)].score.remote(ref, [p for p in chunk for _ in range(settings.n)])
                 for i, (ref, chunk) in enumerate(zip(refs, chunks))
             ]
+            score_labels = [self.scorer_labels[i % len(self.scorers)] for i in range(len(refs))]
         records = [p for p in prompts for _ in range(settings.n)]
-        return InFlight(step, [p.prompt_ids for p in prompts], refs, score_refs, self.version, records)
+        prompt_ids = [p.prompt_ids for p in prompts]
+        return InFlight(step, prompt_ids, refs, score_refs, self.version, records, score_labels, sent)
 
-    def generate(self, prompts: list[PromptRecord], settings) -> Rollouts:
-        """Samples for `prompts` with the weights pushed last (blocks)."""
-        import ray
+    def _wait(self, phase: str, batch: InFlight, what: str) -> list:
+        """The engines' parts of `batch`, within the hang watch's bound for `phase` (hangs.py)."""
+        return WATCH.wait(phase, batch.refs, self.labels[: len(batch.refs)], what, started=batch.sent)
 
+    def generate(
+        self, prompts: list[PromptRecord], settings, phase: str = "generation", what: str = "generating samples"
+    ) -> Rollouts:
+        """Samples for `prompts` with the weights pushed last (blocks); `phase` and `what` for the hang watch."""
         batch = self._launch(0, prompts, settings)
-        completions = [c for part in ray.get(batch.refs) for c in part]
+        completions = [c for part in self._wait(phase, batch, what) for c in part]
         self.settle()
-        return Rollouts(completions, 0, 0.0, batch.score_refs, batch.records, self.score_here)
+        return Rollouts(
+            completions, 0, 0.0, batch.score_refs, batch.records, self.score_here, score_labels=batch.score_labels
+        )
 
     def start(self, step: int, prompts: list[PromptRecord], settings) -> None:
         """Start generating `step`'s batch now, after the weights pushed last."""
@@ -181,8 +200,6 @@ class RolloutQueue:
         """`step`'s samples: the batch in flight (it must be this step's), or generated now. `then`:
         (prompts, settings) of step + 1, started right away, before this step's update
         (`rollout.policy_lag=1`); None to start nothing."""
-        import ray
-
         if self.pending is None:
             self.start(step, prompts, settings)
         batch = self.pending
@@ -192,12 +209,19 @@ class RolloutQueue:
         if then is not None:
             self.start(step + 1, *then)
         t0 = time.perf_counter()
-        parts = ray.get(batch.refs)
+        parts = self._wait("generation", batch, f"generating step {step}'s samples")
         completions = [c for part in parts for c in part]
         waited = time.perf_counter() - t0
         lag = self.version - batch.version
         return Rollouts(
-            completions, lag, waited, batch.score_refs, batch.records, self.score_here, generation_throughput(parts)
+            completions,
+            lag,
+            waited,
+            batch.score_refs,
+            batch.records,
+            self.score_here,
+            generation_throughput(parts),
+            batch.score_labels,
         )
 
     def push(self, weights, others: list = (), other_labels: list[str] = ()) -> dict[str, float]:
@@ -265,10 +289,14 @@ class StepsInFlight:
         finished = in_flight.add(sent, hold=...)   # [(step, metrics)] of the steps collected now, in order
     """
 
-    def __init__(self, queue: RolloutQueue, settle_each_step: bool):
+    def __init__(
+        self, queue: RolloutQueue, settle_each_step: bool, actor_labels: list[str] = (), critic_labels: list[str] = ()
+    ):
         """`settle_each_step`: wait for the step's weight push to be loaded before it counts as finished
-        (in turn, without policy lag; the push's load timings join its metrics)."""
+        (in turn, without policy lag; the push's load timings join its metrics). The labels name the actor's
+        and the critic's ranks to the hang watch."""
         self.queue = queue
+        self.labels = {"actor": list(actor_labels), "critic": list(critic_labels)}
         self.settle_each_step = settle_each_step
         self.held: SentStep | None = None
         self.last_finished = 0.0
@@ -285,17 +313,21 @@ class StepsInFlight:
             finished.append(self.collect(sent))
         return finished
 
+    def _updated(self, role: str, refs: list, sent: SentStep) -> list:
+        """The `role`'s update results, within the hang watch's bound counted from when they were sent."""
+        labels = self.labels[role] or [f"{role} rank {r}" for r in range(len(refs))]
+        started = time.monotonic() - (time.perf_counter() - sent.update_sent)
+        return WATCH.wait(f"{role} update", refs, labels, f"step {sent.step}: the {role}'s update", started=started)
+
     def collect(self, sent: SentStep) -> tuple[int, dict]:
         """The step's metrics once its updates are done (and, in turn, the engines have the new weights).
         `timing/step` is the time since the previous step was collected, or since this one started."""
-        import ray
-
         metrics = sent.metrics
         timer = sent.timer
-        metrics.update(combine([r.stats for r in ray.get(sent.actor_refs)]))
+        metrics.update(combine([r.stats for r in self._updated("actor", sent.actor_refs, sent)]))
         metrics["timing/update_actor"] = time.perf_counter() - sent.update_sent
         if sent.critic_refs:
-            metrics.update(combine([r.stats for r in ray.get(sent.critic_refs)]))
+            metrics.update(combine([r.stats for r in self._updated("critic", sent.critic_refs, sent)]))
             metrics["timing/update_critic"] = time.perf_counter() - sent.update_sent
         timer.add("update", time.perf_counter() - sent.update_sent)
         if self.settle_each_step:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from typing import Literal, NamedTuple
 
+from ..hangs import WATCH
 from ..waiting import get_all
 from . import vllm_compat
 from .sglang_engine import WEIGHT_GROUP
@@ -140,13 +141,12 @@ class WeightPush:
     def __call__(self, after: list = ()) -> dict[str, float]:
         """Push the weights once the update calls `after` are done. Returns the engines' load timings
         (on the object store path, those of the previous push: `RolloutQueue.push`)."""
-        import ray
 
         if self.mode == "none":
             return {}
         engines, actor = self.roles.rollout, self.roles.actor
-        if self.mode == "nccl" or self.sleeps:
-            ray.wait(list(after), num_returns=len(after))  # the update first: its failure raises when collected
+        if self.mode == "nccl" or self.sleeps:  # the update first: its failure raises when collected
+            WATCH.wait("actor update", list(after), actor.labels(), "the actor's update", fetch=False)
         if self.mode == "nccl":
             # Every actor rank enters collectives (FSDP's gathers, then the broadcast) as soon as its push
             # starts, and an engine joins only after the batch it is generating (policy_lag=1 starts the next
@@ -154,8 +154,8 @@ class WeightPush:
             # watchdog's timeout; so the push starts once that batch is done (its results wait in the object
             # store), which costs nothing: the engines could not load the weights any sooner.
             generating = self.queue.generating()
-            if generating:
-                ray.wait(generating, num_returns=len(generating))
+            what = "generating the batch in flight"
+            WATCH.wait("generation", generating, self.queue.labels[: len(generating)], what, fetch=False)
         if self.sleeps and self.neighbours:  # the update's cached blocks back to the GPU before vLLM wakes
             workers = [w for g in self.neighbours for w in g.workers]
             labels = [label for g in self.neighbours for label in g.labels()]
