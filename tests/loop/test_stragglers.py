@@ -50,6 +50,7 @@ def test_the_watch_names_the_slower_actor_after_three_rounds(ray_local, capsys):
 
     fast, slow = Engine.remote(), Engine.remote()
     try:
+        assert ray.get([fast.generate.remote(0), slow.generate.remote(0)], timeout=120) == [0, 0]  # both started
         with hangs.WATCH.watching(None, hang_timeout_s=60):
             for _ in range(3):
                 refs = [fast.generate.remote(0.6), slow.generate.remote(1.8)]
