@@ -324,7 +324,8 @@ def plan(
     """Print what each GPU of every role and engine holds, and its peak, from the model's config.json alone;
     exit 1 naming the keys that would make it fit when a role's GPUs cannot hold it. With --offers, list the
     dstack offers on which the plan fits and every role can be placed, with the nodes each needs."""
-    from .plan import show_offers, show_plan
+    from .offers import show_offers
+    from .plan import show_plan
 
     if offers:
         show_offers(preset, overrides or [], offers, max_price, typer.echo)

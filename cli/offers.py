@@ -14,6 +14,7 @@ of the whole cluster first.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,3 +179,23 @@ def offers_text(cfg, fits: list[Fit], considered: int) -> str:
     out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
     out.append(f"{len(fits)} of {considered} offers that can be had fit; cheapest first")
     return "\n".join(out)
+
+
+def show_offers(preset: str, overrides: list[str], path: str, max_price: float, echo: Callable[[str], None]) -> None:
+    """Print the layout and the offers of `path` (dstack offer --json) the config fits on, cheapest first;
+    CloudrlError (exit 1) when none does."""
+    from .errors import CloudrlError
+    from .submit import load_config
+
+    if max_price < 0:
+        raise CloudrlError(f"--max-price {max_price:g}: give the most per hour for all nodes, e.g. 60 (0: no limit)")
+    cfg = load_config(preset, overrides)
+    offers = read_offers(path)
+    fits = fitting(cfg, offers, max_price)
+    echo(offers_text(cfg, fits, len(offers)))
+    if not fits:
+        limit = f" within --max-price {max_price:g}" if max_price > 0 else ""
+        raise CloudrlError(
+            f"no offer in {path} fits the config{limit}: `cloudrl plan` without --offers shows what each GPU must "
+            f"hold; ask dstack for GPUs with more memory or more of them per node"
+        )

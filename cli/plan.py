@@ -64,24 +64,3 @@ def show_plan(preset: str, overrides: list[str], gpu_memory_gib: float, echo: Ca
     plan_of = planner(cfg, gpu_memory_gib)
     echo(plan_text(plan_of(cfg), gpu_memory_gib).rstrip("\n"))
     check_fits(cfg, plan_of, gpu_memory_gib)
-
-
-def show_offers(preset: str, overrides: list[str], path: str, max_price: float, echo: Callable[[str], None]) -> None:
-    """Print the layout and the offers of `path` (dstack offer --json) the config fits on, cheapest first;
-    CloudrlError (exit 1) when none does."""
-    from .errors import CloudrlError
-    from .offers import fitting, offers_text, read_offers
-    from .submit import load_config
-
-    if max_price < 0:
-        raise CloudrlError(f"--max-price {max_price:g}: give the most per hour for all nodes, e.g. 60 (0: no limit)")
-    cfg = load_config(preset, overrides)
-    offers = read_offers(path)
-    fits = fitting(cfg, offers, max_price)
-    echo(offers_text(cfg, fits, len(offers)))
-    if not fits:
-        limit = f" within --max-price {max_price:g}" if max_price > 0 else ""
-        raise CloudrlError(
-            f"no offer in {path} fits the config{limit}: `cloudrl plan` without --offers shows what each GPU must "
-            f"hold; ask dstack for GPUs with more memory or more of them per node"
-        )
