@@ -14,8 +14,8 @@ of the whole cluster first.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
