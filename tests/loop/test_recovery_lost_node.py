@@ -242,8 +242,8 @@ def test_a_node_killed_for_good_ends_a_real_run_after_restart_wait_s(private_cac
     import sys
 
     from cloudrl.cli.node_processes import stop_node
-    from runs import REPO, local_cluster
-    from test_recovery_node_loss import _sigkill_node, _start_worker_node, _wait_nodes
+    from runs import REPO, local_cluster, start_worker_node, wait_nodes
+    from test_recovery_node_loss import CPUS, _sigkill_node
 
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
@@ -259,8 +259,8 @@ def test_a_node_killed_for_good_ends_a_real_run_after_restart_wait_s(private_cac
     nodes = []
     with local_cluster(nodes=1, cpus_per_node=4, gpus_per_node=0) as state:
         try:
-            nodes.append(_start_worker_node(state, "w1"))
-            _wait_nodes(state, 2)
+            nodes.append(start_worker_node(state, "w1", CPUS))
+            wait_nodes(state, 2)
             log = tmp_path / "driver.log"
             with open(log, "w") as out:
                 proc = subprocess.Popen(

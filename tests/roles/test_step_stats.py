@@ -5,6 +5,8 @@ torch.cuda memory counters, which need a GPU."""
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 from cloudrl.trainer.algo.batch import build_batch, update_shards
@@ -46,8 +48,12 @@ def test_cpu_reports_peak_rss_and_no_device_counters():
     # threads of a long test session may have freed memory since the quiet step.
     resident = _kib("VmRSS:") << 10
     size = (max(_kib("VmHWM:") << 10, resident) - resident) + (64 << 20)
-    held = torch.ones(size, dtype=torch.uint8)  # resident (every page written), then freed
-    del held
+    # Fresh pages straight from the kernel, every one written, then unmapped: an allocator could instead reuse
+    # memory a previous test freed but kept resident, which would raise no peak at all.
+    held = mmap.mmap(-1, size)
+    for offset in range(0, size, mmap.PAGESIZE):
+        held[offset] = 1
+    held.close()
     peak = worker_base.memory_peaks(cpu)["peak_rss"] * GIB
     assert peak >= resident + size - (16 << 20), (peak, resident, size)  # this step's allocation, 16 MiB slack
 
