@@ -37,6 +37,7 @@ from pathlib import Path
 
 from .errors import WorkerHung, WorkerTimeout
 from .stragglers import Stragglers
+from .waiting import EXPLAINERS, get_all
 
 STACK_SIGNAL = signal.SIGUSR1
 """What a worker dumps its stacks on."""
@@ -198,8 +199,6 @@ class Watch:
         """`ray.get(refs)` within `bound(phase)` of `started` (the monotonic time they were sent; default now);
         past it, WorkerHung naming the workers and where they are. `fetch=False` only waits for them to
         finish (no results, no failures: a later `ray.get` has them) and records nothing."""
-        from .waiting import get_all
-
         if not refs:
             return []
         labels = list(labels) + [f"{phase} call {i}" for i in range(len(labels), len(refs))]
@@ -290,3 +289,4 @@ class Watch:
 
 WATCH = Watch()
 """The driver's watch (a worker process never uses it)."""
+EXPLAINERS.append(WATCH.explain)  # every bounded wait that runs out names where our late workers are

@@ -15,6 +15,10 @@ from collections.abc import Callable, Iterator
 
 from .errors import TrainerError, WorkerTimeout
 
+EXPLAINERS: list[Callable[[list[str], str], str]] = []
+"""What can say where late workers are stuck, asked for the line a WorkerTimeout adds: `explain(late_labels,
+what)` -> text or ''. The driver's hang watch (hangs.py) registers itself when imported."""
+
 
 def get_all(
     refs: list,
@@ -27,7 +31,7 @@ def get_all(
     on_done: Callable[[int], None] | None = None,
 ) -> list:
     """`ray.get(refs)`, or WorkerTimeout naming every call still running after `timeout_s` seconds (and, for
-    the workers the driver's hangs.WATCH knows, where each is stuck: hangs.py).
+    the workers an EXPLAINER knows, where each is stuck: the driver's hang watch, hangs.py).
     A call that failed raises as soon as it ends, without waiting for the others (a critic that
     cannot load does not wait for a large policy to finish loading elsewhere). `started`: the monotonic time
     the calls were sent, when the bound counts from then; `fetch=False` only waits for them to finish (their
@@ -45,10 +49,8 @@ def get_all(
         if fetch:
             results[done[0]] = ray.get(done[0])  # raises now if that call failed
     if pending:
-        from .hangs import WATCH
-
         late = [label for ref, label in zip(refs, labels) if ref in pending]
-        stuck = WATCH.explain(late, what)  # where each of our workers sits, when they are ours
+        stuck = "; ".join(filter(None, (explain(late, what) for explain in EXPLAINERS)))  # where each one sits
         raise WorkerTimeout(
             f"{what}: no answer from {', '.join(late)} within {setting}={timeout_s:g}s"
             f"{'; ' + stuck if stuck else ''}; the process may be stuck on the network (NCCL_SOCKET_IFNAME, "
