@@ -238,6 +238,28 @@ fi
 start_args=(--object-manager-port=8076 --node-manager-port=8077 --min-worker-port=10002 --max-worker-port=10999
     "${start_args[@]}")
 
+# Preemption notices: beside Ray, a watcher polls the cloud's notice (AWS, GCP, Azure), or under Slurm the
+# job's time limit, and drains this Ray node when one comes, so the trainer checkpoints its step and leaves the node (docs/recovery.md). It says
+# on which cloud it watches, or that none answers (on premises). CLOUDRL_PREEMPTION_NOTICES picks the cloud
+# or turns it off.
+notices="${CLOUDRL_PREEMPTION_NOTICES:-auto}"
+case "$notices" in
+    auto | slurm | aws | gcp | azure | off) ;;
+    *) die "CLOUDRL_PREEMPTION_NOTICES=$notices is not a choice: use auto, slurm, aws, gcp, azure or off." ;;
+esac
+notice_poll_s="${CLOUDRL_NOTICE_POLL_S:-5}"
+is_uint "$notice_poll_s" && ((notice_poll_s > 0)) || die "CLOUDRL_NOTICE_POLL_S=$notice_poll_s is not a" \
+    "whole number of seconds above 0."
+is_uint "${CLOUDRL_SLURM_NOTICE_S:-300}" || die "CLOUDRL_SLURM_NOTICE_S=$CLOUDRL_SLURM_NOTICE_S is not a whole" \
+    "number of seconds."
+if [[ "$notices" != off ]]; then
+    raylet_port=8077 # the last --node-manager-port wins, as in Ray's own parsing
+    for arg in "${start_args[@]}"; do [[ "$arg" != --node-manager-port=* ]] || raylet_port="${arg#*=}"; done
+    "$PYTHON" "$BRINGUP" notices --gcs "$HEAD_IP:$RAY_PORT" --node-ip "$NODE_IP" \
+        --node-manager-port "$raylet_port" --source "$notices" \
+        --poll-s "$notice_poll_s" </dev/null &
+fi
+
 if ((RANK == 0)); then
     log "starting the Ray head: GCS $NODE_IP:$RAY_PORT, dashboard 127.0.0.1:$DASHBOARD_PORT," \
         "waiting up to ${READY_TIMEOUT}s for $DSTACK_NODES_NUM nodes"

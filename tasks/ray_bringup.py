@@ -16,6 +16,13 @@ Prints the compact JSON ("" for none), or the one line that names the problem, w
 
 `object-store`: the object store size in bytes: half of /dev/shm, at most 30% of RAM.
 
+`notices --gcs HOST:PORT --node-ip IP`: beside the node's Ray process, watches the cloud's preemption notice
+(AWS spot instance-action, GCP `preempted`, Azure Scheduled Events `Preempt`/`Terminate`, or a Slurm job's
+time limit CLOUDRL_SLURM_NOTICE_S ahead; the first that answers, or `--source`). On a notice it drains this node's Ray node with reason preemption
+and the notice's deadline (Ray's GCS: the node takes no new work), which the trainer reads after each step:
+it checkpoints that step and restarts its roles on the nodes that stay (docs/recovery.md). With no metadata
+service answering (on premises) it says so and ends.
+
 The head only:
 
 `watch`: beside the head's Ray process (in the foreground of the bootstrap). Listens for the workers' phase
@@ -35,6 +42,8 @@ sockets.
 from __future__ import annotations
 
 import argparse
+import datetime
+import email.utils
 import fcntl
 import glob
 import json
@@ -47,6 +56,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 PHASES = ("started", "installed")
 HEAD_STOPPED = 3
@@ -409,6 +420,192 @@ def fabric(expected: list[str], ray_port: int) -> int:
     return 0
 
 
+# --- every node: preemption notices --------------------------------------------------------------
+
+# The instance metadata service: AWS, GCP and Azure all answer on this link-local address (GCP also as
+# metadata.google.internal). Tests point it at a server of their own.
+METADATA_URL = os.environ.get("CLOUDRL_METADATA_URL", "http://169.254.169.254").rstrip("/")
+NOTICE_SOURCES = ("slurm", "aws", "gcp", "azure")
+GCP_NOTICE_S = 30.0  # GCP announces a preemption 30 s ahead and gives no time with the flag
+NO_ANSWER = "no answer"
+
+
+class Notice:
+    """A cloud's preemption notice: what it said, and the time (Unix seconds) the instance goes away."""
+
+    def __init__(self, text: str, deadline: float):
+        self.text, self.deadline = text, deadline
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):  # the metadata service never redirects: nothing is followed
+        return None
+
+
+def metadata(path: str, headers: dict[str, str], method: str = "GET") -> tuple[int, str]:
+    """One request to the metadata service, bounded (2 s per socket operation, no proxy, no redirect, 64 KiB
+    read at most): (status, body), or (0, "") when nothing answers."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects)
+    request = urllib.request.Request(METADATA_URL + path, headers=headers, method=method)
+    try:
+        with opener.open(request, timeout=2.0) as answer:
+            return answer.status, answer.read(65536).decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except (OSError, ValueError):
+        return 0, ""
+
+
+def aws_notice() -> Notice | str | None:
+    """AWS (IMDSv2): a session token, then the spot instance-action, 404 until a stop or termination is
+    scheduled (two minutes ahead)."""
+    status, token = metadata("/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "300"}, method="PUT")
+    if status != 200 or not token:
+        return NO_ANSWER
+    status, body = metadata("/latest/meta-data/spot/instance-action", {"X-aws-ec2-metadata-token": token})
+    if status == 404:
+        return None
+    if status != 200:
+        return NO_ANSWER
+    try:
+        action = json.loads(body)
+        when = action["time"]
+        deadline = datetime.datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return Notice("AWS spot instance-action (unreadable time: two minutes assumed)", time.time() + 120)
+    return Notice(f"AWS spot {action.get('action', 'interruption')} at {when}", deadline)
+
+
+def gcp_notice() -> Notice | str | None:
+    """GCP: the instance's `preempted` flag turns TRUE 30 s before the preemption."""
+    status, body = metadata("/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"})
+    if status != 200:
+        return NO_ANSWER
+    if body.strip().upper() != "TRUE":
+        return None
+    return Notice("GCP preemption", time.time() + GCP_NOTICE_S)
+
+
+def azure_notice() -> Notice | str | None:
+    """Azure: Scheduled Events; a `Preempt` (spot eviction) or `Terminate` event names its NotBefore time."""
+    status, body = metadata("/metadata/scheduledevents?api-version=2020-07-01", {"Metadata": "true"})
+    if status != 200:
+        return NO_ANSWER
+    try:
+        events = json.loads(body).get("Events") or []
+    except (ValueError, AttributeError):
+        return NO_ANSWER
+    for event in events:
+        kind = event.get("EventType") if isinstance(event, dict) else None
+        if kind in ("Preempt", "Terminate"):
+            when = str(event.get("NotBefore") or "")
+            try:
+                deadline = email.utils.parsedate_to_datetime(when).timestamp()
+            except (TypeError, ValueError):
+                deadline = time.time() + 30
+            return Notice(f"Azure {kind} not before {when or 'an unknown time'}", deadline)
+    return None
+
+
+def slurm_notice() -> Notice | str | None:
+    """Slurm: the job's end at its time limit (`squeue -o %e`, re-read each time: a limit can change),
+    announced CLOUDRL_SLURM_NOTICE_S (300) seconds ahead, as `sbatch --signal` would warn."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if not job:
+        return NO_ANSWER
+    try:
+        answer = subprocess.run(["squeue", "-h", "-j", job, "-o", "%e"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):  # no Slurm client here (inside a container, say)
+        return NO_ANSWER
+    end = answer.stdout.strip()
+    if answer.returncode != 0 or not end:
+        return NO_ANSWER
+    try:
+        deadline = datetime.datetime.fromisoformat(end).timestamp()  # Slurm prints local time
+    except ValueError:  # N/A, NONE, Unknown: no time limit
+        return None
+    if deadline - time.time() > float(os.environ.get("CLOUDRL_SLURM_NOTICE_S", "300")):
+        return None
+    return Notice(f"Slurm job {job} reaches its time limit at {end}", deadline)
+
+
+NOTICE_POLLS = {"slurm": slurm_notice, "aws": aws_notice, "gcp": gcp_notice, "azure": azure_notice}
+
+
+def notice_source(wanted: str) -> str | None:
+    """What this node watches: `wanted`, or with `auto` the first that answers: Slurm's queue for this job,
+    else the cloud whose metadata service answers (None: nothing does, e.g. on premises without Slurm)."""
+    for source in NOTICE_SOURCES if wanted == "auto" else (wanted,):
+        if NOTICE_POLLS[source]() != NO_ANSWER:
+            return source
+    return None
+
+
+def this_ray_node(gcs: str, node_ip: str, node_manager_port: int | None) -> str | None:
+    """The id of the alive Ray node at `node_ip`; where several or none report that address (nodes sharing a
+    machine, which Ray may report under its outward address instead of 127.0.0.1), the one whose raylet
+    listens on `node_manager_port`. None when that leaves not exactly one."""
+    import ray
+    from ray.core.generated import gcs_pb2
+
+    client = ray._raylet.GcsClient(address=gcs)
+    alive = [i for i in client.get_all_node_info(timeout=10).values() if i.state == gcs_pb2.GcsNodeInfo.ALIVE]
+    mine = [info for info in alive if info.node_manager_address == node_ip]
+    if len(mine) != 1 and node_manager_port:
+        mine = [info for info in mine or alive if info.node_manager_port == node_manager_port]
+    return mine[0].node_id.hex() if len(mine) == 1 else None
+
+
+def drain(gcs: str, node_id: str, notice: Notice) -> tuple[bool, str]:
+    """Ask Ray's GCS to drain `node_id` for a preemption: it takes no new work, and the trainer, which reads
+    the draining nodes after each step, checkpoints the step and moves its roles off it."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    client = ray._raylet.GcsClient(address=gcs)
+    reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+    return client.drain_node(node_id, reason, notice.text, int(max(notice.deadline, time.time() + 1) * 1000))
+
+
+def notices(args: argparse.Namespace) -> int:
+    """Watch this node's cloud for a preemption notice; on one, drain this node's Ray node (once) and end."""
+    source = notice_source(args.source)
+    if source is None:
+        say(
+            f"preemption notices: no Slurm job and no cloud metadata service answers at {METADATA_URL}: not "
+            "watched on this node"
+        )
+        return 0
+    say(f"preemption notices: watching {source} every {args.poll_s:g}s")
+    import ray  # noqa: F401  (now, not when a notice leaves 30 s: GCP's whole lead)
+
+    while True:
+        notice = NOTICE_POLLS[source]()
+        if isinstance(notice, Notice):
+            break
+        time.sleep(args.poll_s)
+    say(f"preemption notice: {notice.text}; draining this Ray node so the trainer checkpoints and leaves it")
+    deadline = time.monotonic() + args.find_timeout_s
+    while True:  # Ray may still be starting on this node
+        try:
+            node_id = this_ray_node(args.gcs, args.node_ip, args.node_manager_port)
+            reason = f"no alive Ray node at {args.node_ip}"
+        except Exception as e:  # the GCS not up yet, or going away: tried again until the bound
+            node_id, reason = None, (str(e).splitlines() or [type(e).__name__])[0]
+        if node_id is not None:
+            break
+        if time.monotonic() >= deadline:
+            say(f"error: preemption notice not passed on: {reason} (GCS {args.gcs}) after {args.find_timeout_s:g}s")
+            return 1
+        time.sleep(1)
+    accepted, why = drain(args.gcs, node_id, notice)
+    if not accepted:
+        say(f"error: Ray refused to drain this node ({node_id[:12]}): {why}")
+        return 1
+    say(f"drained Ray node {node_id[:12]}: it takes no new work; the trainer leaves it after its current step")
+    return 0
+
+
 # --- the command line ---------------------------------------------------------------------------
 
 
@@ -434,6 +631,13 @@ def parser() -> argparse.ArgumentParser:
     watcher.add_argument("--installed", type=float, required=True, help="epoch seconds: packages installed")
     watcher.add_argument("--ray-started", type=float, required=True, help="epoch seconds: Ray started")
     watcher.add_argument("nodes", nargs="+", help="every node's address, the head's first")
+    notice = sub.add_parser("notices", help="every node: drain this Ray node on a cloud's preemption notice")
+    notice.add_argument("--gcs", required=True, help="the head's GCS, HOST:PORT")
+    notice.add_argument("--node-ip", required=True, help="this node's Ray address")
+    notice.add_argument("--node-manager-port", type=int, default=None, help="this node's raylet port")
+    notice.add_argument("--source", choices=("auto", *NOTICE_SOURCES), default="auto", help="the cloud to watch")
+    notice.add_argument("--poll-s", type=float, default=5.0, help="seconds between two looks at the notice")
+    notice.add_argument("--find-timeout-s", type=float, default=60.0, help="bound on finding this Ray node")
     check = sub.add_parser("fabric", help="an all-reduce across the nodes: transport, bandwidth, latency")
     check.add_argument("--ray-port", type=int, required=True, help="the head's GCS port")
     check.add_argument("nodes", nargs="+", help="every node's address, the head's first")
@@ -466,6 +670,8 @@ def main(argv: list[str]) -> int:
             )
             stop_head(args.ray_pid)
             return HEAD_STOPPED
+    elif args.command == "notices":
+        return notices(args)
     else:
         return fabric(args.nodes, args.ray_port)
     return 0

@@ -32,6 +32,7 @@ from .config import Config
 from .hangs import WATCH
 from .inputs.data import PromptLoader, PromptRecord
 from .metrics import MetricsLogger, Timer, format_eval_table, format_summary, print_sample
+from .recovery import leave_preempted_node, preemption_notice
 from .rollout.engines import SamplingSettings
 from .rollout.environment import FailureReport
 from .rollout.queue import RolloutQueue, Rollouts, Round, SentStep, StepsInFlight, refill
@@ -97,6 +98,8 @@ class Trainer:
         self.history = History()
         self.global_step = 0
         """The step being run (or the last finished one between steps)."""
+        self.notice: tuple[str, str] | None = None
+        """A node holding roles that has a preemption notice, seen as this step began (recovery.py)."""
         self.rollouts = RolloutQueue(
             roles.rollout.workers,
             roles.rollout.labels(),
@@ -126,6 +129,7 @@ class Trainer:
             last_ckpt = checkpoint.latest(cfg.trainer.run_dir)
             while self.global_step < cfg.trainer.total_steps:
                 self.global_step += 1
+                self.notice = preemption_notice(self.roles)  # a node to leave: this step is not overlapped
                 for step, metrics in self.step(self.loader.next_batch()):
                     if self.validates_at(step):
                         metrics.update(self.validate())
@@ -136,6 +140,8 @@ class Trainer:
                     last = step == cfg.trainer.total_steps
                     if self.stop_requested() and step == self.global_step and not last:
                         self.stop.checkpoint_and_stop(self, last_ckpt)  # SIGTERM: this step saved, then stop
+                    if self.notice and step == self.global_step and not last:
+                        leave_preempted_node(self, last_ckpt, self.notice)  # this step saved, then a restart
             self.rollouts.settle()  # the last push reached every engine
         finally:
             logger.close()
@@ -332,8 +338,9 @@ class Trainer:
     def must_see_weights(self, step: int) -> bool:
         """Something needs `step`'s updated weights before the next step generates: a validation, a
         checkpoint (the next step then starts from the saved weights, exactly as a resumed run does), a
-        stop, the end. Such a step is neither overlapped with the next rollout nor held."""
-        return self.validates_at(step) or self.saves_at(step) or self.stop_requested()
+        stop, a node with a preemption notice to leave, the end. Such a step is neither overlapped with the next
+        rollout nor held."""
+        return self.validates_at(step) or self.saves_at(step) or self.stop_requested() or self.notice is not None
 
     def validates_at(self, step: int) -> bool:
         every = self.cfg.trainer.val_every

@@ -44,6 +44,18 @@ class WorkerHung(WorkerTimeout):
         """`actor rank 0 on 10.0.0.2: hung (the actor's update: no answer within 600s)`: what recovery reports."""
 
 
+class NodePreempted(TrainerError, RuntimeError):
+    """A node holding roles has a preemption notice (Ray drains it): the step just finished is saved and
+    recovery restarts the roles on the nodes that stay (recovery.py `leave_preempted_nodes`)."""
+
+    def __init__(self, message: str, lost: str, node_id: str):
+        super().__init__(message)
+        self.lost = lost
+        """`node 10.0.0.2 (id ..., held actor rank 1) to a preemption notice (...)`: what recovery reports."""
+        self.node_id = node_id
+        """The Ray node id of the node with the notice."""
+
+
 class CheckpointError(TrainerError, RuntimeError):
     """A checkpoint directory that cannot be written or read."""
 

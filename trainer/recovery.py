@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 
-from .errors import RecoveryFailed, Stopped, WorkerHung, first_line
+from .errors import NodePreempted, RecoveryFailed, Stopped, WorkerHung, first_line
 from .state import checkpoint
 
 # A collective whose peer process died: gloo and NCCL report it in these words.
@@ -112,14 +112,50 @@ class StopRequest:
 
     def checkpoint_and_stop(self, trainer, last_ckpt) -> None:
         """After a completed step: save it (unless just saved) and end the run with one line."""
-        if last_ckpt is None or last_ckpt.name != f"{checkpoint.PREFIX}{trainer.global_step:06d}":
-            last_ckpt = trainer.save_checkpoint()
+        last_ckpt = save_step(trainer, last_ckpt)
         stopped = Stopped(
             f"stopped by {self.signal_name or 'SIGTERM'} after step {trainer.global_step}, checkpointed in "
             f"{last_ckpt}: {RESUME_BY_HAND}"
         )
         stopped.exit_code = self.exit_code  # what `python -m cloudrl.trainer` exits with
         raise stopped
+
+
+def save_step(trainer, last_ckpt):
+    """The checkpoint of the step `trainer` just finished: `last_ckpt` when it is that step's, else saved now."""
+    if last_ckpt is None or last_ckpt.name != f"{checkpoint.PREFIX}{trainer.global_step:06d}":
+        last_ckpt = trainer.save_checkpoint()
+    return last_ckpt
+
+
+def preemption_notice(roles) -> tuple[str, str] | None:
+    """The first node holding roles that has a preemption notice, as (Ray node id, `node 10.0.0.2 (id ...,
+    held actor rank 1)`); None when none has. A node's watcher (tasks/ray_bringup.py `notices`) drains its
+    Ray node when the cloud announces the preemption, and Ray's GCS keeps the draining nodes: one question
+    to it per step."""
+    from .roles.cluster import draining_nodes
+
+    draining = draining_nodes()
+    if not draining:
+        return None
+    held = Loss("", roles=roles).held
+    for node_id, deadline in draining.items():
+        if node_id in held:
+            node = held[node_id]
+            left = f"it goes away in {max(0.0, deadline - time.time()):.0f}s" if deadline else "no deadline given"
+            where = f"node {node['ip'] + ' ' if node['ip'] else ''}(id {node_id[:12]}, held {', '.join(node['held'])})"
+            return node_id, f"{where} to a preemption notice ({left})"
+    return None
+
+
+def leave_preempted_node(trainer, last_ckpt, notice: tuple[str, str]) -> None:
+    """After the step that began with a preemption `notice` (`preemption_notice`): save it (unless just
+    saved) and raise NodePreempted, so `run_with_restarts` starts the roles again on the nodes that stay
+    (and a replacement) from this very step: no finished step is lost."""
+    node_id, what = notice
+    saved = save_step(trainer, last_ckpt)
+    what = f"{what}; step {trainer.global_step} is checkpointed in {saved}"
+    raise NodePreempted(f"lost {what}", what, node_id)
 
 
 def _say(line: str) -> None:
@@ -137,7 +173,7 @@ def lost_component(exc: BaseException, roles) -> str | None:
     None for any other error (those end the run as before)."""
     from ray.exceptions import NodeDiedError, RayActorError, RayTaskError
 
-    if isinstance(exc, WorkerHung):  # a watched wait ran out (hangs.py): its stacks are kept, restart
+    if isinstance(exc, (WorkerHung, NodePreempted)):  # a watched wait ran out (hangs.py), a preemption notice
         return exc.lost
     if isinstance(exc, NodeDiedError):
         return f"a node: {_first_line(exc)}"
@@ -213,7 +249,7 @@ class Loss:
 
     def _named_nodes(self, exc: BaseException, roles) -> list[str]:
         """The held nodes the error points at: the dead actor's node, or a node id in Ray's text."""
-        named = []
+        named = [exc.node_id] if isinstance(exc, NodePreempted) else []
         actor_id = getattr(exc, "actor_id", None)
         for group in roles.groups() if roles is not None and actor_id else []:
             for w, place in zip(group.workers, getattr(group, "places", None) or []):

@@ -56,9 +56,9 @@ def local_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int):
         os.environ.pop("CLOUDRL_LOCAL_DASHBOARD_PORT", None)
 
 
-def start_worker_node(state: dict, name: str, cpus: int, env: dict | None = None) -> dict:
+def start_worker_node(state: dict, name: str, cpus: int, env: dict | None = None, extra: tuple[str, ...] = ()) -> dict:
     """One more node joining the `local_cluster` at `state`: `ray start --block` in its own session (stop it
-    with cloudrl.cli.node_processes.stop_node), `env` on top of the node's environment."""
+    with cloudrl.cli.node_processes.stop_node), `env` on top of the node's environment, `extra` flags last."""
     from cloudrl.cli import local_cluster as cluster
     from cloudrl.cli.node_processes import spawn
 
@@ -77,6 +77,7 @@ def start_worker_node(state: dict, name: str, cpus: int, env: dict | None = None
         "--min-worker-port=0",
         "--max-worker-port=0",
         f"--address={state['gcs_address']}",
+        *extra,
     ]
     return spawn(args, root / f"{name}.log", {**cluster._node_env(), **(env or {})})
 

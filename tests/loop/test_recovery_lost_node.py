@@ -1,6 +1,6 @@
 """A node lost for good: the restart waits trainer.restart_wait_s (capacity check and placement together,
 not placement.timeout_s) and then ends the run with one line naming the node, the roles it held and the
-ways on. No cluster here: Ray is stubbed at its edge (`ray.nodes`, `ray.util.placement_group`,
+ways on. No cluster here: Ray is stubbed at its edge (`ray.nodes` and its draining set, `ray.util.placement_group`,
 `ray.wait`), and everything above it (the restart loop, the capacity check, the placement wait) is the
 trainer's own code."""
 
@@ -80,6 +80,14 @@ def cfg(tmp_path):
 
 def _inputs():
     return SimpleNamespace(resume=None, model_path="m", critic_path="c")
+
+
+@pytest.fixture(autouse=True)
+def no_draining_nodes(monkeypatch):
+    """Ray's set of draining nodes (those with a preemption notice), stubbed with the rest of its edge: empty."""
+    from ray._private.state import state
+
+    monkeypatch.setattr(state, "get_draining_nodes", lambda: {})
 
 
 def test_a_node_lost_for_good_ends_the_run_after_restart_wait_s_naming_it(cfg, monkeypatch, capsys):

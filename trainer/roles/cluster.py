@@ -172,9 +172,20 @@ def unreachable(address: str, source: str, reason: str) -> ClusterUnreachable:
 
 
 def alive_nodes() -> list[dict[str, float]]:
+    """The resources of every node new roles can be placed on: alive and not being drained (a node with a
+    preemption notice is drained by its watcher, tasks/ray_bringup.py `notices`, and takes no new work)."""
     import ray
 
-    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+    draining = draining_nodes()
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in draining]
+
+
+def draining_nodes() -> dict[str, float]:
+    """The nodes Ray is draining, by id: the time (Unix seconds) by which each goes away, 0 when none was
+    given. Ray's GCS keeps this set (`ray drain-node`, which a node's preemption-notice watcher calls)."""
+    from ray._private.state import state
+
+    return {node_id: deadline_ms / 1000 for node_id, deadline_ms in state.get_draining_nodes().items()}
 
 
 def preflight(requests: list[RoleRequest]) -> None:
