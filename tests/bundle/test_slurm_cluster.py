@@ -85,6 +85,9 @@ def test_sbatch_brings_up_one_ray_node_per_slurm_node(slurm):
         ) in out, out[-4000:]
     assert f"joining as worker {slurm.ips[1]}" in out
     assert slurm.job_state(slurm.job) == "RUNNING"
+    # Every node's preemption-notice watcher found this job in Slurm's queue (its time limit: docs/slurm.md).
+    for rank in range(2):
+        assert f"[cloudrl rank {rank}] preemption notices: watching slurm every 5s" in out, out[-4000:]
 
 
 def test_post_mortem_debugger_and_custom_resources_on_every_node(slurm):
