@@ -443,6 +443,9 @@ class TrainerConfig:
     max_restarts: int = 3
     """Times the run restarts its roles from the latest checkpoint after losing a worker, engine or node
     (0 = never)."""
+    exclude_stragglers: bool = False
+    """At a restart, leave out the nodes of the workers named as stragglers (stragglers.py) when the cluster
+    holds every role without them; a straggler alone never causes a restart."""
     restart_wait_s: float = 600.0
     """Before a restart, longest wait for the cluster to have the capacity the config needs again (a
     replacement node)."""

@@ -182,6 +182,10 @@ class Watch:
             self.run_dir, self.hang_timeout_s = None, 0.0
             self.durations.clear()
 
+    def straggler_nodes(self) -> set[str]:
+        """The Ray node ids of the workers named as stragglers in the latest attempt."""
+        return {self.places[label][0] for label in self.stragglers.named if label in self.places}
+
     def register(self, labels: list[str], places: list[dict]) -> None:
         """The workers behind `labels`: their `where()` answers (node_id, pid)."""
         for label, place in zip(labels, places):

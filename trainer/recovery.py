@@ -337,17 +337,21 @@ def wait_for_capacity(cfg, requests, loss: Loss, deadline: float, poll_s: float 
         time.sleep(max(0.05, min(poll_s, deadline - time.monotonic())))
 
 
-def relaunch(cfg, requests, launch, loss: Loss, deadline: float, poll_s: float = 2.0):
+def relaunch(
+    cfg, requests, launch, loss: Loss, deadline: float, poll_s: float = 2.0, slow: frozenset[str] = frozenset()
+):
     """Start the roles again after a loss, all within the monotonic `deadline` (trainer.restart_wait_s
     after the loss): wait for the capacity, then place the roles with every placement wait cut to the
-    time left. Ray counts a vanished node alive until its health checks fail, so the capacity check can
-    pass while the groups cannot be placed: a placement that timed out is tried again until the deadline."""
+    time left, off the `slow` nodes when the cluster holds every role without them (`leave_out`). Ray
+    counts a vanished node alive until its health checks fail, so the capacity check can pass while the
+    groups cannot be placed: a placement that timed out is tried again until the deadline."""
     from .errors import PlacementTimeout
     from .roles import launch as launching
 
     while True:
         wait_for_capacity(cfg, requests, loss, deadline, poll_s)
         launching.PLACEMENT_DEADLINE = deadline
+        launching.AVOIDED_NODES = leave_out(requests, slow)
         try:
             return launch()
         except PlacementTimeout:
@@ -355,7 +359,30 @@ def relaunch(cfg, requests, launch, loss: Loss, deadline: float, poll_s: float =
                 raise not_back(cfg, requests, loss) from None
         finally:
             launching.PLACEMENT_DEADLINE = None
+            launching.AVOIDED_NODES = frozenset()
         time.sleep(max(0.05, min(poll_s, deadline - time.monotonic())))
+
+
+def leave_out(requests, slow: frozenset[str]) -> frozenset[str]:
+    """The straggler nodes (`slow`, trainer.exclude_stragglers) a restart places no role on: all of them when
+    the cluster holds every role without them, else none; one line either way."""
+    from .roles.cluster import preflight
+    from .roles.placement import ClusterTooSmall
+
+    if not slow:
+        return frozenset()
+    names = ", ".join(node[:12] for node in sorted(slow))
+    try:
+        preflight(requests, exclude=slow)
+    except ClusterTooSmall:
+        print(
+            f"straggler node(s) {names} kept at this restart: the cluster cannot hold every role without them "
+            "(trainer.exclude_stragglers; add a node to leave them out)",
+            flush=True,
+        )
+        return frozenset()
+    print(f"straggler node(s) {names} left out at this restart (trainer.exclude_stragglers)", flush=True)
+    return slow
 
 
 def run_with_restarts(cfg, requests, inputs, launch, run) -> dict:
@@ -363,15 +390,17 @@ def run_with_restarts(cfg, requests, inputs, launch, run) -> dict:
     after a lost worker or node start again from the latest checkpoint, up to trainer.max_restarts times.
     Each restart has trainer.restart_wait_s from the loss to get the roles placed again; past it the run
     ends with one line naming the lost node, what it held and the ways on."""
+    from .hangs import WATCH
     from .inputs.prepare import open_resume
 
     restarts = 0
     loss: Loss | None = None
     deadline = 0.0
+    slow: frozenset[str] = frozenset()  # trainer.exclude_stragglers: every straggler's node named so far
     while True:
         roles = None
         try:
-            roles = launch() if loss is None else relaunch(cfg, requests, launch, loss, deadline)
+            roles = launch() if loss is None else relaunch(cfg, requests, launch, loss, deadline, slow=slow)
             return run(roles, restarts)
         except Exception as exc:
             lost = lost_component(exc, roles)
@@ -395,6 +424,8 @@ def run_with_restarts(cfg, requests, inputs, launch, run) -> dict:
                 found.held, found.named = loss.held, loss.named
             loss = found
             deadline = time.monotonic() + cfg.trainer.restart_wait_s
+            if cfg.trainer.exclude_stragglers:
+                slow |= WATCH.straggler_nodes()
         finally:
             if roles is not None:
                 roles.shutdown()

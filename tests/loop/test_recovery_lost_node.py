@@ -183,6 +183,79 @@ def test_a_replacement_node_within_restart_wait_s_restarts_the_run(cfg, monkeypa
     assert _Roles.shut == 2  # after the loss, and at the end
 
 
+SLOW_LABEL = "actor rank 0 on 10.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("exclude", "spares", "left_out"),
+    [(True, 2, True), (True, 1, False), (False, 2, False)],
+    ids=["room-without-it", "no-room-without-it", "setting-off"],
+)
+def test_a_straggler_node_is_left_out_at_a_restart_only_when_the_others_hold_every_role(
+    cfg, monkeypatch, capsys, exclude, spares, left_out
+):
+    """trainer.exclude_stragglers: the head, where the watch named the actor's rank 0 a straggler, is left out of
+    the restart's placement (Ray's node-id label selector, roles/launch.py) when the nodes that stay hold every
+    role; with one spare node too few, or the setting off, it is kept."""
+    from cloudrl.trainer.hangs import WATCH
+    from cloudrl.trainer.stragglers import Stragglers
+
+    cfg.trainer.restart_wait_s = 30
+    cfg.trainer.exclude_stragglers = exclude
+    named = Stragglers()
+    named.named.add(SLOW_LABEL)
+    monkeypatch.setattr(WATCH, "stragglers", named)
+    monkeypatch.setattr(WATCH, "places", {SLOW_LABEL: (HEAD, 1)})
+    lost = []
+    spare_ids = [SPARE, "dd44" * 14][:spares]
+    monkeypatch.setattr(
+        ray, "nodes", lambda: [_node(HEAD, True), _node(LOST, not lost)] + [_node(n, True) for n in spare_ids]
+    )
+    avoided = []
+
+    def launch():
+        avoided.append(launching.AVOIDED_NODES)
+        return _Roles()
+
+    def run(roles, restarts):
+        if not lost:
+            lost.append(True)
+            raise _Dead()
+        return {"restarts": restarts}
+
+    assert run_with_restarts(cfg, plan(cfg), _inputs(), launch, run) == {"restarts": 1}
+    assert avoided == [frozenset(), frozenset({HEAD}) if left_out else frozenset()]
+    assert launching.AVOIDED_NODES == frozenset()  # only while the restart places its groups
+    out = capsys.readouterr().out
+    if left_out:
+        assert f"straggler node(s) {HEAD[:12]} left out at this restart (trainer.exclude_stragglers)" in out
+    elif exclude:
+        assert f"straggler node(s) {HEAD[:12]} kept at this restart: the cluster cannot hold every role" in out
+    else:
+        assert "straggler node" not in out
+
+
+def test_a_group_with_avoided_nodes_asks_ray_to_place_it_elsewhere(monkeypatch):
+    """The selector create_placement_group hands Ray: its node-id label, not in the avoided set (Ray's own
+    placement honouring it: tests/roles/test_placement_avoid.py)."""
+    from cloudrl.trainer.roles.placement import RoleRequest
+
+    made = []
+
+    def placement_group(bundles, strategy, name, **options):
+        made.append(options)
+        return SimpleNamespace(ready=lambda: "ref")
+
+    monkeypatch.setattr(ray.util, "placement_group", placement_group)
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
+    request = RoleRequest("actor", [{"CPU": 1.0}, {"CPU": 1.0}], "PACK", workers_per_bundle=1, keys="actor.nodes=1")
+    launching.create_placement_group(request, 5)
+    monkeypatch.setattr(launching, "AVOIDED_NODES", frozenset({LOST, HEAD}))
+    launching.create_placement_group(request, 5)
+    assert made[0] == {}
+    assert made[1] == {"bundle_label_selector": [{"ray.io/node-id": f"!in({HEAD},{LOST})"}] * 2}
+
+
 # --- the same on a real 2-node Ray cluster: the second node SIGKILLed and never replaced -------------------
 
 DRIVER = '''

@@ -171,13 +171,14 @@ def unreachable(address: str, source: str, reason: str) -> ClusterUnreachable:
     )
 
 
-def alive_nodes() -> list[dict[str, float]]:
+def alive_nodes(exclude: frozenset[str] = frozenset()) -> list[dict[str, float]]:
     """The resources of every node new roles can be placed on: alive and not being drained (a node with a
-    preemption notice is drained by its watcher, tasks/ray_bringup.py `notices`, and takes no new work)."""
+    preemption notice is drained by its watcher, tasks/ray_bringup.py `notices`, and takes no new work), nor
+    in `exclude` (node ids a restart leaves out)."""
     import ray
 
-    draining = draining_nodes()
-    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in draining]
+    left_out = exclude | set(draining_nodes())
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in left_out]
 
 
 def draining_nodes() -> dict[str, float]:
@@ -188,6 +189,7 @@ def draining_nodes() -> dict[str, float]:
     return {node_id: deadline_ms / 1000 for node_id, deadline_ms in state.get_draining_nodes().items()}
 
 
-def preflight(requests: list[RoleRequest]) -> None:
-    """Raise ClusterTooSmall unless the connected cluster can hold every role at once."""
-    check_fits(requests, alive_nodes())
+def preflight(requests: list[RoleRequest], exclude: frozenset[str] = frozenset()) -> None:
+    """Raise ClusterTooSmall unless the connected cluster (without the nodes in `exclude`) can hold every
+    role at once."""
+    check_fits(requests, alive_nodes(exclude))

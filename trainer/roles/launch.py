@@ -146,6 +146,9 @@ class Roles:
 PLACEMENT_DEADLINE: float | None = None
 """A time.monotonic() no placement wait goes past (at least 1 s each): while recovery.py restarts the
 roles, the end of trainer.restart_wait_s."""
+AVOIDED_NODES: frozenset[str] = frozenset()
+"""Ray node ids no placement group may use: while recovery.py restarts the roles with
+trainer.exclude_stragglers, the straggler nodes it leaves out."""
 
 
 def create_placement_group(request: RoleRequest, timeout_s: float):
@@ -157,7 +160,11 @@ def create_placement_group(request: RoleRequest, timeout_s: float):
 
     if PLACEMENT_DEADLINE is not None:
         timeout_s = min(timeout_s, max(1.0, PLACEMENT_DEADLINE - time.monotonic()))
-    pg = placement_group(request.bundles, strategy=request.strategy, name=f"cloudrl-{request.role}")
+    options = {}
+    if AVOIDED_NODES:  # Ray's own label on every node, its id: the group is placed on the others only
+        avoided = {"ray.io/node-id": f"!in({','.join(sorted(AVOIDED_NODES))})"}
+        options["bundle_label_selector"] = [avoided] * len(request.bundles)
+    pg = placement_group(request.bundles, strategy=request.strategy, name=f"cloudrl-{request.role}", **options)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
