@@ -18,11 +18,9 @@ from typing import Any
 from cloudrl.trainer.errors import first_line
 
 from .errors import CloudrlError
-from .ray_api import ClusterClient
+from .ray_api import EXCEPTION_RE, ClusterClient
 
 STEP_RE = re.compile(r"^step \d+/\d+\b[^|]*\|")
-# The last line of a Python traceback: `cloudrl.trainer.errors.RewardError: ...`, `KeyError: 'x'`.
-EXCEPTION_RE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit)(?:\([\w.]*\))?: \S")
 STATUS_TAIL_LINES = 2000
 """How much of a job's log `status` reads (the end, through the log API): enough for the last step line
 and the summary block, never the whole log of a long, chatty job."""

@@ -17,6 +17,7 @@ same address later (a dropped tunnel whose port another process took) is refused
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -327,9 +328,30 @@ class ClusterClient:
                 raise NoSuchJob(
                     f"no job {job_id!r} on {self.address.url}: `cloudrl list{self.address.flag}` shows its jobs"
                 ) from None
-            raise CloudrlError(
-                f"the Ray Jobs API at {self.address.url} refused to {what}: {first_line(text)}"
-            ) from None
+            raise CloudrlError(f"the Ray Jobs API at {self.address.url} refused to {what}: {refusal(text)}") from None
+
+
+# The last line of a Python traceback: `cloudrl.trainer.errors.RewardError: ...`, `KeyError: 'x'`.
+EXCEPTION_RE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit)(?:\([\w.]*\))?: \S")
+STATUS_RE = re.compile(r"Request failed with status code (\d{3})")
+
+
+def refusal(text: str) -> str:
+    """Why the Jobs API said no, in one line. Ray answers a failure on its side with whole tracebacks (the
+    dashboard's, wrapping its job agent's), whose first line says nothing; the last exception line is the cause."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    cause = next((ln for ln in reversed(lines) if EXCEPTION_RE.match(ln)), None)
+    status = STATUS_RE.search(text)
+    if cause is None:
+        return first_line(text)[:300]
+    return f"{'HTTP ' + status.group(1) + ', ' if status else ''}{cause.rstrip('.')[:300]}"
+
+
+def server_side(text: str) -> bool:
+    """Whether a Jobs API refusal is the cluster's own failure (HTTP 500, e.g. its job agent not listening
+    yet), which may pass, rather than a verdict on the request (any 4xx, also one wrapped in the 500)."""
+    codes = STATUS_RE.findall(text)
+    return bool(codes) and all(code.startswith("5") for code in codes)
 
 
 class ClusterChanged(CloudrlError):

@@ -32,14 +32,13 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cloudrl.trainer.errors import first_line
-
 from .errors import CloudrlError
-from .ray_api import Address, ClusterClient
+from .ray_api import Address, ClusterClient, refusal, server_side
 from .shipping import Upload, write_zip
 
 # `python3` is what tasks/ray-bootstrap.sh installs Ray into; the local cluster puts this
@@ -317,7 +316,23 @@ def pack_upload(req: JobRequest, tmp: Path) -> tuple[Path | None, int | None]:
     return target, write_zip(req.upload, target)
 
 
-def submit(client: ClusterClient, req: JobRequest, env_values: dict[str, str], files_zip: Path | None = None) -> str:
+SUBMIT_RETRY_S = 30.0
+"""How long `submit` keeps asking while the cluster answers with a failure of its own (HTTP 500: on a cluster
+that has just come up, its job agent may not listen yet); past it, the error names the cluster's cause."""
+SUBMIT_RETRY_EVERY_S = 3.0
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def submit(
+    client: ClusterClient,
+    req: JobRequest,
+    env_values: dict[str, str],
+    files_zip: Path | None = None,
+    echo: Callable[[str], None] = _stderr,
+) -> str:
     """Upload the trainer (and the job's files) and create the job. When the connection fails (or Ctrl+C
     comes) after the request left, the job may exist anyway: it is removed, or the error says it may not be."""
     import requests
@@ -326,18 +341,7 @@ def submit(client: ClusterClient, req: JobRequest, env_values: dict[str, str], f
     with tempfile.TemporaryDirectory(prefix="cloudrl-submit-") as tmp:
         package = stage_package(Path(tmp), req.preset_file, env_values)
         try:
-            return jobs.submit_job(
-                entrypoint=req.entrypoint,
-                submission_id=req.submission_id,
-                runtime_env=req.runtime_env(package, files_zip),
-                metadata=req.metadata,
-            )
-        except RuntimeError as exc:  # the Jobs API said no: no job was created
-            if "already" in str(exc) and req.submission_id in str(exc):
-                raise CloudrlError(
-                    f"a job named {req.submission_id!r} already exists on {client.address.url}: pick another --name"
-                ) from None
-            raise CloudrlError(f"the cluster refused the job: {first_line(exc)}") from None
+            return _create_job(jobs, req, req.runtime_env(package, files_zip), client.address.url, echo)
         except (requests.exceptions.RequestException, KeyboardInterrupt) as exc:
             # The request may have reached the cluster before the connection broke: the job can exist
             # although we never saw its id come back. Look for it and remove it before saying anything.
@@ -352,6 +356,37 @@ def submit(client: ClusterClient, req: JobRequest, env_values: dict[str, str], f
                 f"{failed}, and whether job {req.submission_id!r} was created could not be confirmed: "
                 f"run `cloudrl list{flag}` and `cloudrl stop {req.submission_id}{flag}`"
             ) from None
+
+
+def _create_job(jobs: Any, req: JobRequest, runtime_env: dict[str, Any], url: str, echo: Callable[[str], None]) -> str:
+    """One job created under `req.submission_id`, asking again (up to SUBMIT_RETRY_S) while the cluster fails
+    on its side. A name that exists is refused on the first try; on a later one, it is the job an earlier
+    try created before its answer failed, so it is that job's id."""
+    deadline = time.monotonic() + SUBMIT_RETRY_S
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return jobs.submit_job(
+                entrypoint=req.entrypoint,
+                submission_id=req.submission_id,
+                runtime_env=runtime_env,
+                metadata=req.metadata,
+            )
+        except RuntimeError as exc:  # the Jobs API said no
+            text = str(exc)
+            if "already" in text and req.submission_id in text:
+                if tries > 1:
+                    return req.submission_id
+                raise CloudrlError(
+                    f"a job named {req.submission_id!r} already exists on {url}: pick another --name"
+                ) from None
+            if not server_side(text) or time.monotonic() + SUBMIT_RETRY_EVERY_S > deadline:
+                tried = f" (asked {tries} times over {SUBMIT_RETRY_S:g} s)" if tries > 1 else ""
+                raise CloudrlError(f"the cluster refused the job{tried}: {refusal(text)}") from None
+            if tries == 1:
+                echo(f"the cluster failed on its side ({refusal(text)}); asking again for up to {SUBMIT_RETRY_S:g} s")
+        time.sleep(SUBMIT_RETRY_EVERY_S)
 
 
 REMOVE_TIMEOUT_S = 30.0
