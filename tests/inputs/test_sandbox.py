@@ -64,6 +64,87 @@ def test_no_socket_reaches_a_server_on_the_callers_loopback():
     assert "unreachable" in result.stderr
 
 
+def test_no_unix_socket_on_the_hosts_filesystem_is_reachable():
+    """A daemon's socket anyone may connect to (a desktop bus, a runtime's API): the read-only view stops
+    writes to files, not connect(); the seccomp filter refuses the program any UNIX socket."""
+    shared = tempfile.mkdtemp(prefix="cloudrl-unix-", dir="/var/tmp")  # not /tmp, which the sandbox covers
+    path = os.path.join(shared, "daemon.sock")
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        os.chmod(shared, 0o755)
+        server.bind(path)
+        os.chmod(path, 0o777)  # connectable by every uid, the sandbox's own included
+        server.listen(1)
+        server.settimeout(0.5)
+        code = f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})\nprint('connected')"
+        result = run_python(code, QUICK)
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+        shutil.rmtree(shared)
+    assert not result.ok and "connected" not in result.stdout
+    assert "PermissionError: [Errno 1] Operation not permitted" in result.stderr
+
+
+def test_the_code_can_make_no_namespace_and_none_of_the_rarely_needed_kernel_calls():
+    code = (
+        "import ctypes, os, socket, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "for name, call in [('unshare', lambda: libc.unshare(0x10000000)), ('keyctl', lambda: libc.syscall(250, 0)),"
+        " ('bpf', lambda: libc.syscall(321, 0, 0, 0)), ('userfaultfd', lambda: libc.syscall(323, 0))]:\n"
+        "    print(name, call(), ctypes.get_errno())\n"
+        # What ordinary programs do still works: threads, a child process, a socket pair.
+        "t = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
+        "print('child', os.system('true'))\nprint('pair', len(socket.socketpair()))\n"
+    )
+    if os.uname().machine != "x86_64":
+        pytest.skip("the raw syscall numbers in this program are x86_64's")
+    result = run_python(code, QUICK)
+    assert result.ok, result.stderr
+    assert result.stdout.split("\n")[:4] == ["unshare -1 1", "keyctl -1 1", "bpf -1 1", "userfaultfd -1 1"]
+    assert "thread\nchild 0\npair 2\n" in result.stdout
+
+
+def run_bpf(program: list[tuple[int, int, int, int]], nr: int, arch: int, arg0: int) -> int:
+    """Classic BPF as the kernel runs a seccomp filter, over (nr, arch, args[0]): the value it returns."""
+    data = {0: nr, 4: arch, 16: arg0 & 0xFFFFFFFF}
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = program[pc]
+        if code == 0x20:  # load a word of seccomp_data
+            acc, pc = data[k], pc + 1
+        elif code == 0x06:  # return
+            return k
+        else:
+            taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+            pc += 1 + (jt if taken else jf)
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_the_seccomp_filter_denies_what_it_names_and_allows_the_rest(machine):
+    from cloudrl.trainer.inputs.sandbox_launcher import SECCOMP_ARCHES, SECCOMP_SYSCALLS, seccomp_program
+
+    program = seccomp_program(machine)
+    column, arch = SECCOMP_ARCHES[machine]
+    nr = {name: pair[column] for name, pair in SECCOMP_SYSCALLS.items()}
+    eperm, enosys, allow, kill = 0x50001, 0x50026, 0x7FFF0000, 0x80000000
+    assert run_bpf(program, nr["socket"], arch, 1) == eperm  # AF_UNIX
+    assert run_bpf(program, nr["socket"], arch, 2) == allow  # AF_INET (its namespace has no network)
+    assert run_bpf(program, nr["clone"], arch, 0x11) == allow  # fork: SIGCHLD
+    assert run_bpf(program, nr["clone"], arch, 0x3D0F00) == allow  # a thread
+    for flag in (0x10000000, 0x20000000, 0x40000000, 0x00020000, 0x08000000, 0x04000000, 0x02000000, 0x80):
+        assert run_bpf(program, nr["clone"], arch, 0x11 | flag) == eperm, hex(flag)
+    assert run_bpf(program, nr["clone3"], arch, 0) == enosys
+    for name in set(nr) - {"socket", "clone", "clone3"}:
+        assert run_bpf(program, nr[name], arch, 0) == eperm, name
+    for ordinary in (0, 1, 2, 3, 9, 59, 60, 231):  # read, write, open(at), close, mmap, execve, exit, ...
+        if ordinary not in nr.values():
+            assert run_bpf(program, ordinary, arch, 0) == allow
+    assert run_bpf(program, 0, 0x40000003, 0) == kill  # another architecture's calling convention
+    if machine == "x86_64":
+        assert run_bpf(program, 0x40000000 | 1, arch, 0) == eperm  # x32's numbering
+
+
 def test_a_secret_in_the_callers_environment_is_not_visible(monkeypatch):
     monkeypatch.setenv("CLOUDRL_TEST_CANARY", "canary-4f1d9e")
     code = (
@@ -114,6 +195,43 @@ def test_processes_are_bounded_and_a_fork_bomb_ends():
     result = run_python(bomb, Limits(timeout_s=1.0))
     assert not result.ok and result.reason == "timed out after 1s"
     assert time.monotonic() - start < 5
+
+
+HOG = """
+import os, time
+held = []
+for _ in range(8):  # each child stays under RLIMIT_AS (256 MB) alone; together they hold 8 x 100 MB
+    if os.fork() == 0:
+        block = bytearray(100 << 20)
+        block[::4096] = b"x" * len(block[::4096])  # every page resident
+        time.sleep(3)
+        os._exit(0)
+    held.append(1)
+print("forked", len(held), flush=True)
+print("children", [os.waitstatus_to_exitcode(os.wait()[1]) for _ in held])
+"""
+
+
+def test_many_processes_cannot_hold_more_than_the_memory_limit_together():
+    from cloudrl.trainer.inputs import sandbox_cgroup
+
+    if sandbox_cgroup._parent() is None:
+        pytest.skip("this node allows no memory cgroup: the two-process fallback test covers it")
+    before = set(sandbox_cgroup._parent()[0].iterdir())
+    result = run_python(HOG, Limits(timeout_s=8.0, memory_mb=256))
+    assert not result.ok and result.reason == "memory limit 256 MB", (result.stdout, result.stderr)
+    assert "children [0, 0, 0, 0, 0, 0, 0, 0]" not in result.stdout
+    # The run's cgroup is gone with it.
+    assert {p for p in sandbox_cgroup._parent()[0].iterdir() if "cloudrl-sandbox-" in p.name} <= before
+
+
+def test_without_a_memory_cgroup_the_program_gets_two_processes(monkeypatch):
+    from cloudrl.trainer.inputs import sandbox_cgroup
+
+    monkeypatch.setattr(sandbox_cgroup, "create", lambda limit_bytes: None)
+    result = run_python(HOG, Limits(timeout_s=8.0, memory_mb=256))
+    assert not result.ok and "BlockingIOError: [Errno 11] Resource temporarily unavailable" in result.stderr
+    assert "forked" not in result.stdout or "forked 1" in result.stdout
 
 
 def test_run_many_keeps_order_and_bounds_parallelism():

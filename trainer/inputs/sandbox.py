@@ -9,8 +9,11 @@ Each run gets (see sandbox_launcher.py for how):
 
 - a wall-time limit: the whole process tree is killed after `timeout_s` (CPU time is capped a little
   above it too), reported as "timed out after 5s";
-- a memory limit (`RLIMIT_AS`, `memory_mb` of address space), reported as "memory limit 512 MB";
-- at most MAX_PROCESSES processes and threads, files up to the scratch size, 256 open files, no core dumps;
+- a memory limit: `memory_mb` for the whole program (all its processes and its scratch files) through a
+  memory cgroup of its own where the node allows one (sandbox_cgroup.py), and `memory_mb` of address
+  space per process (`RLIMIT_AS`); reported as "memory limit 512 MB";
+- at most MAX_PROCESSES processes and threads (UNCAPPED_PROCESSES where there is no cgroup, so its memory
+  stays within twice `memory_mb`), files up to the scratch size, 256 open files, no core dumps;
 - no network: a network namespace of its own, whose only interface (loopback) is down, so neither the
   internet nor services on the trainer's 127.0.0.1 can be reached;
 - nothing of the caller's environment: `python -I` with a minimal environment (PATH=/usr/bin:/bin, HOME
@@ -23,12 +26,14 @@ Each run gets (see sandbox_launcher.py for how):
 - no privileges: every capability dropped (bounding set included) and no_new_privs set before the code
   starts, so neither uid 0 of its user namespace (without root) nor a setuid binary can undo the read-only
   view; System V IPC (shared memory, semaphores, queues) of its own, gone with the run;
+- a seccomp filter (sandbox_launcher.py): no UNIX socket (those on the host's filesystem are otherwise
+  reachable through the read-only view), no namespace of its own, none of the kernel interfaces a Python
+  program has no use for (ptrace, keyrings, bpf, userfaultfd, io_uring, modules, mounts);
 - a lower CPU priority (nice 10) than the trainer.
 
 What it does not protect: files readable by everyone on the host (the code of the environment, /etc, a
 world-readable dataset) can be read; CPU cache and timing side channels; kernel exploits (this is
-namespaces and limits, not a virtual machine); UNIX sockets on the host's filesystem that its uid may
-connect to; and without root, where it uses a user namespace, it runs as the caller's user outside, so
+namespaces, limits and a seccomp filter, not a virtual machine); and without root, where it uses a user namespace, it runs as the caller's user outside, so
 files that user can read are readable (writes are still blocked by the read-only view). It needs root or
 unprivileged user namespaces (Linux), which it tries for real once per process; where neither works it
 refuses with SandboxUnavailable rather than run code unconfined.
@@ -50,9 +55,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import TrainerError
+from . import sandbox_cgroup
 
 MAX_PROCESSES = 32
-"""Processes and threads a run may have at once (RLIMIT_NPROC of its own uid)."""
+"""Processes and threads a run may have at once (RLIMIT_NPROC of its own uid) inside its memory cgroup."""
+UNCAPPED_PROCESSES = 2
+"""The same where the node allows the run no memory cgroup: `RLIMIT_AS` bounds each process alone, so
+few processes keep the whole program within twice `memory_mb`."""
 NICE = 10
 """CPU priority below the trainer's."""
 SETUP_EXIT = 125
@@ -108,6 +117,15 @@ def run_python(code: str, limits: Limits = Limits(), stdin: str = "") -> Executi
             "kernel.apparmor_restrict_unprivileged_userns, or the container's seccomp profile); run the trainer "
             "as root or enable them"
         )
+    group = sandbox_cgroup.create(int(limits.memory_mb) << 20)
+    try:
+        return _run(code, limits, stdin, as_root, group)
+    finally:
+        if group is not None:
+            group.remove()
+
+
+def _run(code: str, limits: Limits, stdin: str, as_root: bool, group: sandbox_cgroup.MemoryCgroup | None) -> Execution:
     status_read, status_write = os.pipe()
     ident = _UID_BASE + secrets.randbelow(1 << 24)
     settings = {
@@ -117,7 +135,8 @@ def run_python(code: str, limits: Limits = Limits(), stdin: str = "") -> Executi
         "memory_mb": int(limits.memory_mb),
         "scratch_mb": int(limits.memory_mb),
         "cpu_s": max(1, int(limits.timeout_s + 1)),
-        "max_processes": MAX_PROCESSES,
+        "max_processes": MAX_PROCESSES if group is not None else UNCAPPED_PROCESSES,
+        "cgroup_procs": group.procs if group is not None else None,
         "nice": NICE,
         "python": _interpreter(),
         "expose": _installation(),
@@ -148,6 +167,8 @@ def run_python(code: str, limits: Limits = Limits(), stdin: str = "") -> Executi
     stdout, stderr, status = (_text(b) for b in outputs)
     if status.startswith("error "):
         raise SandboxUnavailable(f"the sandbox could not isolate the code: {status[6:].strip()}")
+    if group is not None and group.oom_killed():
+        return Execution(False, stdout, stderr, f"memory limit {limits.memory_mb} MB")
     if timed_out:
         return Execution(False, stdout, stderr, f"timed out after {limits.timeout_s:g}s")
     ok, reason = _verdict(status, stderr, limits)

@@ -4,17 +4,19 @@ process of its own session, it walls itself off and then becomes untrusted Pytho
 Standard library only, and run by path (not imported), so it starts in milliseconds. It reads the payload
 (`{"code": ..., "stdin": ...}` as JSON) from its stdin, then:
 
-1. leaves the trainer's namespaces: network (no interface but a downed loopback), mount (private, so
-   nothing it mounts reaches the host), PID (everything it starts dies with it), System V IPC (shared
-   memory, semaphores and message queues of its own, gone with it); as a non-root user it first enters a
-   user namespace of its own, where it maps itself to root;
+1. joins the run's memory cgroup, if sandbox.py made one (sandbox_cgroup.py), then leaves the trainer's
+   namespaces: network (no interface but a downed loopback), mount (private, so nothing it mounts reaches
+   the host), PID (everything it starts dies with it), System V IPC (shared memory, semaphores and message
+   queues of its own, gone with it); as a non-root user it first enters a user namespace of its own, where
+   it maps itself to root;
 2. forks the first process of the new PID namespace, which mounts a fresh /proc (the trainer's processes,
    their command lines and environments are out of sight), a size-bounded tmpfs over /tmp (the scratch
    directory: the code, its stdin, whatever it writes; gone with the namespace), remounts every other
    mount read-only and nosuid, sets the resource limits, drops to an unprivileged uid/gid of its own (as
    root), drops every capability (bounding set, ambient, effective, permitted, inheritable; securebits
-   locked so that uid 0 of a user namespace regains none on exec), sets no_new_privs, and execs
-   `python -I main.py` with a minimal environment;
+   locked so that uid 0 of a user namespace regains none on exec), sets no_new_privs, installs a seccomp
+   filter (SECCOMP below: no UNIX sockets, no new namespaces, none of the kernel's rarely needed, often
+   attacked interfaces), and execs `python -I main.py` with a minimal environment;
 3. waits for it and reports how it ended on the status pipe (`exit N` or `signal N`).
 
 A setup step that fails is reported as `error ...` on the status pipe and exit 125; the parent raises it.
@@ -26,8 +28,10 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import platform
 import resource
 import stat
+import struct
 import sys
 
 CLONE_NEWNS = 0x00020000
@@ -69,6 +73,64 @@ _MOUNT_FLAGS = {
     "strictatime": MS_STRICTATIME,
 }
 SCRATCH = "/tmp"
+
+# The seccomp filter: what the program may not ask the kernel for. Each denied call fails with EPERM, as a
+# container runtime's default profile answers, so the program sees an ordinary error.
+# - socket(AF_UNIX): a UNIX socket on the host's filesystem (a daemon's, a desktop bus) is otherwise
+#   reachable through the read-only view, which blocks writes to files but not connect(); the network
+#   namespace already walls off TCP/IP and abstract UNIX sockets. socketpair() stays allowed.
+# - clone() with a namespace flag, unshare, setns: no namespace of its own, so no uid 0 anywhere.
+# - clone3: its flags are out of a filter's reach; ENOSYS makes the C library fall back to clone().
+# - the rest: kernel interfaces a Python program has no use for and exploits often start from.
+SECCOMP_SYSCALLS = {
+    # name: (x86_64, aarch64)
+    "socket": (41, 198),
+    "clone": (56, 220),
+    "clone3": (435, 435),
+    "unshare": (272, 97),
+    "setns": (308, 268),
+    "mount": (165, 40),
+    "umount2": (166, 39),
+    "pivot_root": (155, 41),
+    "ptrace": (101, 117),
+    "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271),
+    "keyctl": (250, 219),
+    "add_key": (248, 217),
+    "request_key": (249, 218),
+    "bpf": (321, 280),
+    "perf_event_open": (298, 241),
+    "userfaultfd": (323, 282),
+    "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427),
+    "init_module": (175, 105),
+    "finit_module": (313, 273),
+    "delete_module": (176, 106),
+    "kexec_load": (246, 104),
+    "open_by_handle_at": (304, 265),
+    "name_to_handle_at": (303, 264),
+    "fsopen": (430, 430),
+    "fsmount": (432, 432),
+    "move_mount": (429, 429),
+    "open_tree": (428, 428),
+}
+SECCOMP_ARCHES = {"x86_64": (0, 0xC000003E), "aarch64": (1, 0xC00000B7), "arm64": (1, 0xC00000B7)}
+X32_SYSCALL_BIT = 0x40000000
+AF_UNIX = 1
+NAMESPACE_FLAGS = 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x00020000 | 0x80
+"""CLONE_NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWNS, NEWTIME."""
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+SECCOMP_RET_KILL_PROCESS = 0x80000000
+SECCOMP_RET_ERRNO = 0x00050000
+SECCOMP_RET_ALLOW = 0x7FFF0000
+EPERM = 1
+ENOSYS = 38
+# Classic BPF: load a 32-bit word, jump on equal / greater-or-equal / any bit set, return.
+_LD_W_ABS, _JEQ_K, _JGE_K, _JSET_K, _RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
+# Offsets into struct seccomp_data: nr, arch, then args[0]'s low 32 bits (little-endian).
+_NR, _ARCH, _ARG0 = 0, 4, 16
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -171,6 +233,45 @@ def _drop_capabilities() -> None:
     _check(_libc.capset(ctypes.byref(header), data), "capset (dropping every capability)")
 
 
+def seccomp_program(machine: str) -> list[tuple[int, int, int, int]]:
+    """The filter as classic BPF instructions (code, jump-if-true, jump-if-false, k) for `machine`; an
+    empty list where no syscall table is known for it (then no filter is installed, and the rest holds)."""
+    if machine not in SECCOMP_ARCHES:
+        return []
+    column, audit_arch = SECCOMP_ARCHES[machine]
+    numbers = {name: pair[column] for name, pair in SECCOMP_SYSCALLS.items()}
+    special = {"socket", "clone", "clone3"}
+    denied = sorted(n for name, n in numbers.items() if name not in special)
+    deny, allow = (_RET_K, 0, 0, SECCOMP_RET_ERRNO | EPERM), (_RET_K, 0, 0, SECCOMP_RET_ALLOW)
+    program = [(_LD_W_ABS, 0, 0, _ARCH), (_JEQ_K, 1, 0, audit_arch), (_RET_K, 0, 0, SECCOMP_RET_KILL_PROCESS)]
+    program.append((_LD_W_ABS, 0, 0, _NR))
+    if column == 0:  # x86_64's x32 calls carry this bit and other numbers: none is allowed
+        program += [(_JGE_K, 0, 1, X32_SYSCALL_BIT), deny]
+    for number in denied:
+        program += [(_JEQ_K, 0, 1, number), deny]
+    program += [(_JEQ_K, 0, 1, numbers["clone3"]), (_RET_K, 0, 0, SECCOMP_RET_ERRNO | ENOSYS)]
+    program += [(_JEQ_K, 0, 4, numbers["socket"]), (_LD_W_ABS, 0, 0, _ARG0), (_JEQ_K, 0, 1, AF_UNIX), deny, allow]
+    program += [(_JEQ_K, 0, 3, numbers["clone"]), (_LD_W_ABS, 0, 0, _ARG0), (_JSET_K, 0, 1, NAMESPACE_FLAGS), deny]
+    program.append(allow)
+    return program
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _install_seccomp() -> None:
+    """Install the filter (after no_new_privs, which lets an unprivileged process do so); it holds for the
+    program and everything it starts, and nothing can lift it."""
+    program = seccomp_program(platform.machine())
+    if not program:
+        return
+    code = b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
+    buffer = ctypes.create_string_buffer(code, len(code))
+    fprog = _SockFprog(len(program), ctypes.cast(buffer, ctypes.c_void_p))
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "prctl(PR_SET_SECCOMP)")
+
+
 def _wall_off(settings: dict, payload: dict) -> None:
     """In the first process of the new PID namespace: the filesystem view, the files, the limits, the user."""
     uid, gid = (settings["uid"], settings["gid"]) if settings["as_root"] else (0, 0)
@@ -229,6 +330,7 @@ def _wall_off(settings: dict, payload: dict) -> None:
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     # After the uid change, which clears it: the program dies with its launcher.
     _check(_libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    _install_seccomp()  # last: the steps above need calls it denies
     python = settings["python"]
     os.execve(python, [python, "-I", "main.py"], settings["env"])
 
@@ -240,6 +342,9 @@ def main() -> int:
     status = os.fdopen(status_fd, "w", buffering=1)
     payload = json.loads(sys.stdin.buffer.read())
     try:
+        if settings["cgroup_procs"]:  # first: the program and all it starts are inside the run's memory cgroup
+            with open(settings["cgroup_procs"], "w") as procs:
+                procs.write("0")
         os.nice(settings["nice"])
         _enter_namespaces(settings["as_root"])
     except (OSError, SetupError) as exc:
