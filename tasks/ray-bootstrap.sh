@@ -76,6 +76,16 @@ done
 # CLOUDRL_RAY_AUTH=off is the explicit opt-out. Never left to Ray's default, which turns auth on when a
 # stray ~/.ray/auth_token exists, on one node but not the others. The same rule under Slurm.
 if [[ -n "${RAY_AUTH_TOKEN:-}" ]]; then
+    # At most 4 random bits a hex character, 6 any other (base64's most): `changeme` is 48, not strong.
+    token_chars="${RAY_AUTH_TOKEN//[[:space:]]/}"
+    bits_per_char=6
+    [[ "$token_chars" =~ ^[0-9a-fA-F]+$ ]] && bits_per_char=4
+    token_bits=$((${#token_chars} * bits_per_char))
+    ((token_bits >= 128)) ||
+        die "RAY_AUTH_TOKEN holds at most $token_bits random bits, fewer than 128: anyone on the cluster's" \
+            "network could guess it and run code on every node. Make one with" \
+            "\`export RAY_AUTH_TOKEN=\$(openssl rand -hex 32)\` and pass the same to \`cloudrl submit\`."
+    unset token_chars bits_per_char token_bits
     export RAY_AUTH_MODE=token
 elif [[ "${CLOUDRL_RAY_AUTH:-on}" == off ]]; then
     export RAY_AUTH_MODE=disabled

@@ -31,6 +31,20 @@ def test_bootstrap_refuses_to_start_without_a_ray_token():
     assert "ray start" not in result.stdout
 
 
+@pytest.mark.parametrize("token", ["changeme", "ab" * 15, "  secret-token  "])
+def test_bootstrap_refuses_a_ray_token_too_short_to_resist_guessing(token):
+    env = dstack_env(1, ["10.213.250.1", "10.213.250.2"], GPUS_PER_NODE)
+    result = run_bootstrap({**env, "RAY_AUTH_TOKEN": token}, timeout=30, token=False)
+    assert result.returncode == 1
+    bits = len(token.strip()) * (4 if token == "ab" * 15 else 6)
+    assert result.stderr.strip().splitlines() == [
+        f"[cloudrl rank 1] error: RAY_AUTH_TOKEN holds at most {bits} random bits, fewer than 128: anyone on the "
+        "cluster's network could guess it and run code on every node. Make one with `export "
+        "RAY_AUTH_TOKEN=$(openssl rand -hex 32)` and pass the same to `cloudrl submit`."
+    ]
+    assert token.strip() not in result.stdout + result.stderr and "ray start" not in result.stdout
+
+
 @pytest.mark.parametrize(
     "missing",
     ["DSTACK_NODE_RANK", "DSTACK_MASTER_NODE_IP", "DSTACK_NODES_NUM", "DSTACK_GPUS_PER_NODE", "DSTACK_NODES_IPS"],
