@@ -236,6 +236,9 @@ def submit(
         typer.echo(note, err=True)
     req = sub.build_request(preset, overrides, name, env or [], upload)
     env_values = sub.read_env(req.env_names)
+    note = sub.env_notes(cfg, req.env_names)
+    if note:
+        typer.echo(note, err=True)
     with tempfile.TemporaryDirectory(prefix="cloudrl-files-") as tmp:
         files_zip, zipped = sub.pack_upload(req, Path(tmp))
         if dry_run:

@@ -205,6 +205,21 @@ def _as_here(message: str, cfg: Any, upload: Upload, root: Path, cwd: Path) -> s
     return message
 
 
+def env_notes(cfg: Any, env_names: list[str]) -> str:
+    """A note for each variable the config has the job read (a key, a token) that no --env passes: the job
+    then finds it only if the cluster's nodes have it in their own environment."""
+    named = [
+        ("trainer.checkpoint_key_env", cfg.trainer.checkpoint_key_env),
+        ("reward.url_token_env", cfg.reward.url_token_env),
+    ]
+    return "\n".join(
+        f"note: {key}={name} is not passed with --env {name}: the job reads it from the cluster nodes' own "
+        f"environment, and the run fails if they lack it"
+        for key, name in named
+        if name and name not in env_names
+    )
+
+
 def read_env(names: list[str]) -> dict[str, str]:
     missing = [n for n in names if n not in os.environ]
     if missing:

@@ -440,6 +440,11 @@ class TrainerConfig:
     checkpoint_uri: str = ""
     """Also keep checkpoints here (s3://bucket/prefix, gs://..., via fsspec; credentials from the
     environment): uploaded after each save, fetched on resume=auto."""
+    checkpoint_key_env: str = ""
+    """The NAME of an environment variable holding a secret key (32 characters or more, e.g. `openssl rand
+    -hex 32`): every checkpoint's manifest is then signed with it (HMAC-SHA256), and a resume accepts only a
+    checkpoint whose signature matches, so whoever can write trainer.run_dir or the bucket cannot hand the
+    run a checkpoint of their own. A job gets the key with `cloudrl submit --env NAME`."""
     max_restarts: int = 3
     """Times the run restarts its roles from the latest checkpoint after losing a worker, engine or node
     (0 = never)."""

@@ -331,6 +331,11 @@ def validate(cfg: Any) -> None:
         _check_reward_url(cfg)
     if cfg.model.lora_rank:
         _check_lora(cfg)
+    if cfg.trainer.checkpoint_key_env and not cfg.trainer.checkpoint_key_env.isidentifier():
+        raise ConfigError(
+            "trainer.checkpoint_key_env must be the NAME of an environment variable holding the key (e.g. "
+            "CKPT_KEY), not the key itself: export the key under a name and give the name"
+        )
 
 
 def _check_reward_url(cfg: Any) -> None:

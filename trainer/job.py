@@ -86,6 +86,7 @@ def check_inputs(cfg: Config) -> None:
     datasets; a file's prompt column), and a training run's run_dir (placed under $CLOUDRL_RUNS_DIR when
     relative; not empty, and checkpoints can be written there: nothing is created)."""
     from .inputs.models import check_model_path
+    from .state.checkpoint import signing_key
     from .state.run_dir import check_run_dir, under_runs_dir
 
     check_user_code(cfg)
@@ -101,6 +102,7 @@ def check_inputs(cfg: Config) -> None:
     cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
     if not cfg.trainer.eval_only:  # scoring a model writes only run_dir/eval.json
         check_run_dir(cfg.trainer.run_dir)
+    signing_key(cfg.trainer.checkpoint_key_env)  # set and long enough, when named
 
 
 def check_user_code(cfg: Config) -> None:

@@ -229,6 +229,20 @@ def test_dry_run_names_env_values_only_as_shipped_in_the_package(clean_env: Path
     assert "hunter2" not in result.output
 
 
+def test_submit_notes_a_key_the_config_reads_that_no_env_passes(clean_env: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CKPT_KEY", "c" * 64)
+    args = ["submit", "--dry-run", "trainer.checkpoint_key_env=CKPT_KEY"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert (
+        "note: trainer.checkpoint_key_env=CKPT_KEY is not passed with --env CKPT_KEY: the job reads it from the "
+        "cluster nodes' own environment, and the run fails if they lack it"
+    ) in result.stderr
+    passed = runner.invoke(app, [*args, "--env", "CKPT_KEY"])
+    assert passed.exit_code == 0 and "note: trainer.checkpoint_key_env" not in passed.stderr
+    assert "c" * 64 not in passed.output + result.output
+
+
 # ----------------------------------------------------------------------------------------------
 # --workdir ships what git would
 # ----------------------------------------------------------------------------------------------

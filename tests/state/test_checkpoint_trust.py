@@ -53,7 +53,7 @@ def _write_dcp(directory: Path) -> None:
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
 
 
-def _save(run_dir: Path, step: int = 1) -> Path:
+def _save(run_dir: Path, step: int = 1, key: bytes | None = None) -> Path:
     def write_shards(tmp: Path) -> None:
         _write_dcp(tmp / "actor")
         (tmp / "actor.json").write_text(json.dumps({"last_epoch": 1}))
@@ -67,6 +67,7 @@ def _save(run_dir: Path, step: int = 1) -> Path:
         config,
         keep_last=5,
         write_shards=write_shards,
+        key=key,
     )
 
 
@@ -199,3 +200,69 @@ def test_resume_through_prepare_refuses_a_planted_checkpoint_in_one_line(tmp_pat
     with pytest.raises(CheckpointError, match=f"cannot read checkpoint file {path}/actor/.metadata"):
         prepare(cfg)
     assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Signed manifests (trainer.checkpoint_key_env): a planted checkpoint with a matching manifest is refused
+# ----------------------------------------------------------------------------------------------
+
+KEY = b"k" * 40
+
+
+def test_a_signed_checkpoint_loads_with_its_key_and_is_refused_with_another(tmp_path):
+    path = _save(tmp_path / "run", key=KEY)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert len(manifest["signature"]["hmac_sha256"]) == 64
+    assert checkpoint.load(path, ["actor", "critic"], KEY).state == {"step": 1}
+    with pytest.raises(CheckpointError, match="does not match its signature .* signed with another key"):
+        checkpoint.load(path, ["actor", "critic"], b"x" * 40)
+
+
+def test_a_rehashed_planted_checkpoint_is_refused_when_checkpoints_are_signed(tmp_path):
+    """What the hashes alone cannot stop: an attacker who writes the whole directory, manifest included."""
+    path = _save(tmp_path / "run", key=KEY)
+    marker = tmp_path / "marker"
+    (path / "critic.pt").write_bytes(planted_torch_file(marker))
+    _rehash(path)  # the signature is kept, the files list changes under it
+    with pytest.raises(CheckpointError, match="does not match its signature") as err:
+        checkpoint.load(path, ["actor", "critic"], KEY)
+    assert not marker.exists() and "\n" not in str(err.value)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["signature"]  # or the signature dropped
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="is not signed, and trainer.checkpoint_key_env asks"):
+        checkpoint.load(path, ["actor", "critic"], KEY)
+
+
+def test_the_signing_key_is_read_by_name_and_never_shown(monkeypatch):
+    from cloudrl.trainer.errors import ConfigError
+
+    assert checkpoint.signing_key("") is None
+    monkeypatch.delenv("CKPT_KEY", raising=False)
+    with pytest.raises(ConfigError, match="CKPT_KEY is not set here: export it .*`cloudrl submit --env CKPT_KEY`"):
+        checkpoint.signing_key("CKPT_KEY")
+    monkeypatch.setenv("CKPT_KEY", "short-secret-value")
+    with pytest.raises(ConfigError, match="holds 18 characters, fewer than 32") as err:
+        checkpoint.signing_key("CKPT_KEY")
+    assert "short-secret-value" not in str(err.value)
+    monkeypatch.setenv("CKPT_KEY", "a" * 64)
+    assert checkpoint.signing_key("CKPT_KEY") == b"a" * 64
+    with pytest.raises(ConfigError, match="must be the NAME of an environment variable"):
+        load_config("local", ["trainer.checkpoint_key_env=0123456789abcdef0123456789abcdef"])
+
+
+def test_a_run_with_a_key_resumes_only_from_its_signed_checkpoint(tmp_path, monkeypatch):
+    """The path a run takes (inputs/prepare.py), with the key named in the config."""
+    from cloudrl.trainer.inputs.prepare import decide_resume
+
+    run_dir = tmp_path / "run"
+    path = _save(run_dir)  # saved before the key was turned on
+    monkeypatch.setenv("CKPT_KEY", "b" * 64)
+    overrides = [f"trainer.run_dir={run_dir}", "algorithm.name=grpo", "trainer.total_steps=5"]
+    cfg = load_config("local", [*overrides, "trainer.checkpoint_key_env=CKPT_KEY"])
+    with pytest.raises(CheckpointError, match=f"checkpoint {path} is not signed"):
+        decide_resume(cfg)
+    signed = _save(tmp_path / "signed", key=b"b" * 64)
+    overrides = [f"trainer.run_dir={tmp_path / 'next'}", "algorithm.name=grpo", "trainer.total_steps=5"]
+    cfg = load_config("local", [*overrides, "trainer.checkpoint_key_env=CKPT_KEY", f"trainer.resume={signed}"])
+    assert decide_resume(cfg).checkpoint.path == signed

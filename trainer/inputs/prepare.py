@@ -129,7 +129,7 @@ def open_checkpoint(cfg: Config, path: Path) -> checkpoint.Checkpoint:
     (other models, data, reward or algorithm); any resume one of another algorithm or without the critic
     this run trains."""
     roles = ["actor", *(["critic"] if cfg.uses_critic else [])]
-    ckpt = checkpoint.load(path, roles)
+    ckpt = checkpoint.load(path, roles, checkpoint.signing_key(cfg.trainer.checkpoint_key_env))
     if cfg.trainer.resume == "auto":
         checkpoint.check_same_run(ckpt, cfg)
     checkpoint.check_algorithm(ckpt, cfg)

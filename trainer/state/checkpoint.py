@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -51,7 +52,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from ..errors import CheckpointError, TrainerError
+from ..errors import CheckpointError, ConfigError, TrainerError
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -318,10 +319,12 @@ def save(
     config_yaml: str,
     keep_last: int,
     write_shards: Callable[[Path], None] | None = None,
+    key: bytes | None = None,
 ) -> Path:
     """Write a checkpoint atomically. `write_shards(tmp)` has the workers write their sharded roles
     into the temporary directory (shards.save_roles); `parts` are full states saved as `<role>.pt`.
-    Then prune this run's own checkpoints beyond the newest `keep_last`."""
+    With `key` (`signing_key`) the manifest is signed. Then prune this run's own checkpoints beyond the
+    newest `keep_last`."""
     root = checkpoint_root(run_dir)
     final = root / f"{PREFIX}{step:06d}"
     timeline = _own_timeline(run_dir)
@@ -345,6 +348,8 @@ def save(
             "saved_at": time.time(),
             "files": file_entries(tmp),
         }
+        if key is not None:
+            manifest[SIGNATURE] = {"hmac_sha256": manifest_mac(manifest, key)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         fsync_tree(tmp)
         _put_in_place(tmp, final, timeline.run_id)
@@ -522,16 +527,67 @@ class Checkpoint:
         return role in self.parts or role in self.sharded
 
 
+SIGNATURE = "signature"
+"""The manifest's key for its HMAC (`trainer.checkpoint_key_env`), over every other key of it."""
+KEY_MIN_CHARS = 32
+
+
+def signing_key(env_name: str) -> bytes | None:
+    """The key `trainer.checkpoint_key_env` names, from this process's environment (None when no name is
+    given); ConfigError when it is unset or too short to resist guessing. Its value is never printed."""
+    if not env_name:
+        return None
+    value = os.environ.get(env_name, "").strip()
+    if not value:
+        raise ConfigError(
+            f"trainer.checkpoint_key_env={env_name}, but {env_name} is not set here: export it (`export "
+            f"{env_name}=$(openssl rand -hex 32)`, kept for every resume), and pass it to a job with "
+            f"`cloudrl submit --env {env_name}`"
+        )
+    if len(value) < KEY_MIN_CHARS:
+        raise ConfigError(
+            f"{env_name} (trainer.checkpoint_key_env) holds {len(value)} characters, fewer than {KEY_MIN_CHARS}: "
+            f"a short key can be guessed; make one with `openssl rand -hex 32`"
+        )
+    return value.encode()
+
+
+def manifest_mac(manifest: dict, key: bytes) -> str:
+    """HMAC-SHA256 under `key` of the manifest without its signature, as canonical JSON."""
+    body = {k: v for k, v in manifest.items() if k != SIGNATURE}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def check_signature(path: Path, manifest: object, key: bytes) -> None:
+    """Refuse a checkpoint whose manifest is not signed with `key`: unsigned, or changed since it was."""
+    signature = manifest.get(SIGNATURE) if isinstance(manifest, dict) else None
+    mac = signature.get("hmac_sha256") if isinstance(signature, dict) else None
+    if not isinstance(mac, str):
+        raise CheckpointError(
+            f"checkpoint {path} is not signed, and trainer.checkpoint_key_env asks that every checkpoint be: it "
+            f"was saved without the key (or its signature was removed); resume from one this run signed, or "
+            f"drop trainer.checkpoint_key_env to accept it"
+        )
+    if not hmac.compare_digest(mac, manifest_mac(manifest, key)):
+        raise CheckpointError(
+            f"checkpoint {path}'s {MANIFEST} does not match its signature under the key of "
+            f"trainer.checkpoint_key_env: it was changed after the save, or signed with another key; it is "
+            f"never read: {_other_checkpoint(path)}"
+        )
+
+
 class ContentMismatch(ValueError):
     """A checkpoint file whose SHA-256 is not the one its manifest recorded."""
 
 
-def load(path: Path, names: list[str]) -> Checkpoint:
-    """Read a checkpoint after checking its files against the manifest; CheckpointError names the file.
-    Sharded roles are only described here (their metadata read); the workers read their own shards."""
+def load(path: Path, names: list[str], key: bytes | None = None) -> Checkpoint:
+    """Read a checkpoint after checking its files against the manifest (and, with `key`, the manifest
+    against its signature); CheckpointError names the file. Sharded roles are only described here (their
+    metadata read); the workers read their own shards."""
     import yaml
 
-    manifest = verify(path)
+    manifest = verify(path, key)
     parts = {name: _read(path / f"{name}.pt") for name in names if (path / f"{name}.pt").exists()}
     sharded = {name: path / name for name in names if (path / name / DCP_METADATA).exists()}
     shapes = {name: {k: tuple(v.shape) for k, v in part.get("model", {}).items()} for name, part in parts.items()}
@@ -551,15 +607,18 @@ def _json_object(text: str) -> dict:
     return data
 
 
-def verify(path: Path) -> dict:
-    """Check a checkpoint directory against its manifest before anything in it is read: every listed
-    file has its size and SHA-256, and nothing unlisted is there. Returns the manifest."""
+def verify(path: Path, key: bytes | None = None) -> dict:
+    """Check a checkpoint directory against its manifest before anything in it is read: with `key`, the
+    manifest is signed with it; every listed file has its size and SHA-256, and nothing unlisted is there.
+    Returns the manifest."""
     if not (path / MANIFEST).exists():
         raise CheckpointError(
             f"checkpoint {path} has no {MANIFEST}, so nothing vouches for its files (not saved by cloudrl, or "
             f"an incomplete copy): {_other_checkpoint(path)}"
         )
     manifest = _read(path / MANIFEST, json.loads)
+    if key is not None:
+        check_signature(path, manifest, key)
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(
         isinstance(e, dict) and isinstance(e.get("sha256"), str) for e in files.values()

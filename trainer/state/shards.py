@@ -42,6 +42,7 @@ def save_run(roles, cfg, step: int, driver_state: dict) -> Path:
         cfg.to_yaml(),
         tc.keep_last,
         write_shards=lambda tmp: save_roles(roles, tmp, tc.worker_timeout_s),
+        key=checkpoint.signing_key(tc.checkpoint_key_env),
     )
     if tc.checkpoint_uri:
         storage.upload(path, tc.checkpoint_uri, tc.keep_last)
