@@ -48,6 +48,38 @@ def alive(node: dict[str, Any]) -> bool:
     return own_process(node) is not None
 
 
+def foreign_listener(state: dict[str, Any], port: int) -> str | None:
+    """Who else listens on 127.0.0.1:`port` than the local cluster's head node (its `ray start` and every
+    process under it, the dashboard among them), as `pid N (name)`; None when only the cluster does, or when
+    this system cannot tell (no listener table for this user: the session check still applies)."""
+    import psutil
+
+    nodes = state.get("nodes") or []
+    head = own_process(nodes[0]) if nodes else None
+    ours = set()
+    if head is not None:
+        try:
+            ours = {head.pid} | {child.pid for child in head.children(recursive=True)}
+        except psutil.Error:
+            ours = {head.pid}
+    try:
+        connections = psutil.net_connections(kind="tcp4")
+    except (psutil.AccessDenied, OSError):
+        return None
+    for conn in connections:
+        if conn.status != psutil.CONN_LISTEN or conn.laddr.port != port:
+            continue
+        if conn.laddr.ip not in ("127.0.0.1", "0.0.0.0") or conn.pid in ours:
+            continue
+        if conn.pid is None:
+            return "a process of another user"
+        try:
+            return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+        except psutil.Error:
+            return f"pid {conn.pid}"
+    return None
+
+
 def stop_node(node: dict[str, Any], grace_s: float = 5.0) -> int:
     import psutil
 

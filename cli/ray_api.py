@@ -29,6 +29,7 @@ from cloudrl.trainer.urls import is_loopback
 
 from .errors import CloudrlError, NoSuchJob
 from .local_state import load_state, local_token, running_dashboard_url
+from .node_processes import foreign_listener
 from .pins import DASHBOARD_PORT
 from .ray_compat import bounded_job_client
 
@@ -154,6 +155,13 @@ def token_for(address: Address, insecure_http: bool = False) -> tuple[str | None
     when this machine has none for it. Raises instead of handing a token to a host that could pass it on."""
     local = local_cluster_for(address.url)
     if local is not None:  # the cluster `cloudrl local up` started: its own token, never another one
+        other = foreign_listener(local, urllib.parse.urlsplit(address.url).port or 80)
+        if other is not None:  # a squatter on the port, since the cluster's dashboard is not listening there
+            raise AuthRefused(
+                f"{address.url} is answered by {other}, not by the local cluster's dashboard: the local "
+                f"cluster's token is not sent to it; stop that process, or restart the cluster (`cloudrl local "
+                f"down && cloudrl local up`)"
+            )
         return local_token(local), "the local cluster's token"
     if address.source == "local":
         return None, "the local cluster has no token file"

@@ -144,7 +144,8 @@ def test_the_local_clusters_token_goes_to_that_cluster_only(clean_env: Path, tmp
     squatter = Dashboard(always_401=True)
     local = Dashboard(session="session_L", token=token)
     with serve(squatter.handler()) as squatter_url, serve(local.handler()) as local_url:
-        save_state({"nodes": [], "dashboard_url": local_url, "token_file": str(token_file)})
+        # This process plays the cluster's head node: the dashboard it serves is the cluster's own.
+        save_state({"nodes": [this_process()], "dashboard_url": local_url, "token_file": str(token_file)})
         # Another loopback port (the default 8265 taken by someone else, say): it never gets the token.
         other = runner.invoke(app, ["list", "--address", squatter_url])
         assert other.exit_code == 1 and "no token is set here" in other.stderr
@@ -153,6 +154,37 @@ def test_the_local_clusters_token_goes_to_that_cluster_only(clean_env: Path, tmp
         client = ray_api.ClusterClient(ray_api.Address(local_url, "--address"))
         assert client.ray_version() == "2.60.0"
         assert local.authorizations[-1] == f"Bearer {token}"
+
+
+def this_process() -> dict:
+    """This test process as a node record of the state file (`node_processes.spawn`'s shape)."""
+    import psutil
+
+    return {"pid": os.getpid(), "create_time": psutil.Process().create_time(), "log": os.devnull}
+
+
+def test_a_squatter_on_the_local_clusters_port_never_gets_its_token(clean_env: Path, tmp_path: Path) -> None:
+    """The local cluster's dashboard died and another process took its port: it answers 401 to learn the
+    token; the CLI sees the listener is no process of the cluster's head node and sends nothing."""
+    token = uuid.uuid4().hex
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    head = subprocess.Popen(["sleep", "60"])  # the cluster's head node, alive, but not what listens
+    try:
+        import psutil
+
+        record = {"pid": head.pid, "create_time": psutil.Process(head.pid).create_time(), "log": os.devnull}
+        squatter = Dashboard(always_401=True)
+        with serve(squatter.handler()) as url:
+            save_state({"nodes": [record], "dashboard_url": url, "token_file": str(token_file)})
+            result = runner.invoke(app, ["list", "--local"])
+    finally:
+        head.kill()
+        head.wait()
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert f"{url} is answered by pid {os.getpid()} (" in result.stderr
+    assert "not by the local cluster's dashboard: the local cluster's token is not sent to it" in result.stderr
+    assert squatter.authorizations == [] and token not in result.output
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,7 +221,8 @@ def test_the_local_cluster_is_known_by_the_session_it_started_with(clean_env: Pa
     token_file.write_text(token)
     impostor = Dashboard(session="session_other", token=token)
     with serve(impostor.handler()) as url:
-        save_state({"nodes": [], "dashboard_url": url, "token_file": str(token_file), "session_name": "session_up"})
+        state = {"nodes": [this_process()], "dashboard_url": url, "token_file": str(token_file)}
+        save_state({**state, "session_name": "session_up"})
         with pytest.raises(ray_api.ClusterChanged, match="session_other, not session_up"):
             ray_api.ClusterClient(ray_api.Address(url, "local")).check_version()
 
