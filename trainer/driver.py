@@ -37,7 +37,7 @@ from .rollout.engines import SamplingSettings
 from .rollout.environment import FailureReport
 from .rollout.queue import RolloutQueue, Rollouts, Round, SentStep, StepsInFlight, refill
 from .rollout.weight_sync import WeightPush
-from .state import checkpoint
+from .state import checkpoint, timeline
 from .state.shards import export_policy, load_roles, save_run
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class Trainer:
                 self.history.val_before = self.validate()["val/reward_mean"]
                 self.history.val_last = self.history.val_before
                 logger.log(0, {"val/reward_mean": self.history.val_before})
-            last_ckpt = checkpoint.latest(cfg.trainer.run_dir)
+            last_ckpt = timeline.latest(cfg.trainer.run_dir)
             while self.global_step < cfg.trainer.total_steps:
                 self.global_step += 1
                 self.notice = preemption_notice(self.roles)  # a node to leave: this step is not overlapped

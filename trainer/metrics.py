@@ -5,7 +5,7 @@ line has a fixed shape that `cloudrl status` reads back from the job logs:
 
     step 3/40 [###.......] | rollout/reward_mean=0.531 actor/pg_loss=-0.012 ... | 1.23 s/step
 
-W&B and MLflow ("trackers") log one tracker run per timeline of the run_dir (checkpoint.py's run id):
+W&B and MLflow ("trackers") log one tracker run per timeline of the run_dir (timeline.py's run id):
 resumes and restarts that continue the timeline continue its tracker run, a new timeline (a fresh start,
 a resume from a chosen checkpoint) starts a new one. A tracker run holds each step once: steps a restart
 runs again (logged before the loss, after the checkpoint it resumes from) keep their first values there.
@@ -274,8 +274,8 @@ def _warn(line: str) -> None:
 
 
 def _timeline(run_dir: str):
-    """The timeline this run logs (checkpoint.py decided it before the run started); None outside a run."""
-    from .state.checkpoint import current_timeline
+    """The timeline this run logs (timeline.py decided it before the run started); None outside a run."""
+    from .state.timeline import current_timeline
 
     return current_timeline(run_dir)
 

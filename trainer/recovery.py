@@ -23,7 +23,7 @@ import threading
 import time
 
 from .errors import NodePreempted, RecoveryFailed, Stopped, WorkerHung, first_line
-from .state import checkpoint
+from .state import layout, timeline
 
 # A collective whose peer process died: gloo and NCCL report it in these words.
 PEER_GONE = (
@@ -123,7 +123,7 @@ class StopRequest:
 
 def save_step(trainer, last_ckpt):
     """The checkpoint of the step `trainer` just finished: `last_ckpt` when it is that step's, else saved now."""
-    if last_ckpt is None or last_ckpt.name != f"{checkpoint.PREFIX}{trainer.global_step:06d}":
+    if last_ckpt is None or last_ckpt.name != f"{layout.PREFIX}{trainer.global_step:06d}":
         last_ckpt = trainer.save_checkpoint()
     return last_ckpt
 
@@ -429,7 +429,7 @@ def run_with_restarts(cfg, requests, inputs, launch, run) -> dict:
         finally:
             if roles is not None:
                 roles.shutdown()
-        latest = checkpoint.latest(cfg.trainer.run_dir)
+        latest = timeline.latest(cfg.trainer.run_dir)
         inputs.resume = open_resume(cfg, latest, inputs.model_path, inputs.critic_path) if latest else None
 
 

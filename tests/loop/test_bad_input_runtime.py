@@ -31,7 +31,7 @@ from cloudrl.trainer.inputs.data import PromptRecord
 from cloudrl.trainer.inputs.rewards import score
 from cloudrl.trainer.roles.cluster import probe
 from cloudrl.trainer.roles.workers import CriticWorker
-from cloudrl.trainer.state import checkpoint
+from cloudrl.trainer.state import checkpoint, resume_checks
 from cloudrl.trainer.state.run_dir import resume_point
 from cloudrl.trainer.waiting import worker_errors
 from runs import run_trainer, tiny_overrides
@@ -186,22 +186,22 @@ def test_a_checkpoint_of_another_algorithm_is_refused(tmp_path):
         "algorithm.name=ppo: resume it with algorithm.name=grpo, or pick a new "
         "trainer.run_dir",
     ):
-        checkpoint.check_matches(ckpt, load_config("local"), {})
+        resume_checks.check_matches(ckpt, load_config("local"), {})
 
 
 def test_a_critic_less_checkpoint_is_refused_for_ppo(tmp_path):
     path = checkpoint.save(str(tmp_path), 1, {"actor": {"model": {}}}, {"step": 1}, "", keep_last=1)  # no config
     with pytest.raises(CheckpointError, match="has no critic.pt .* but algorithm.name=ppo trains one"):
-        checkpoint.check_matches(checkpoint.load(path, ["actor", "critic"]), load_config("local"), {})
+        resume_checks.check_matches(checkpoint.load(path, ["actor", "critic"]), load_config("local"), {})
 
 
 def test_a_checkpoint_of_another_model_size_names_the_tensor(tmp_path):
     ckpt = checkpoint.load(_save(tmp_path), ["actor", "critic"])
     cfg = load_config("local")
-    checkpoint.check_matches(ckpt, cfg, {"actor": SHAPES, "critic": SHAPES})
+    resume_checks.check_matches(ckpt, cfg, {"actor": SHAPES, "critic": SHAPES})
     bigger = {**SHAPES, "embed.weight": (10, 8)}
     with pytest.raises(CheckpointError) as err:
-        checkpoint.check_matches(ckpt, cfg, {"actor": bigger})
+        resume_checks.check_matches(ckpt, cfg, {"actor": bigger})
     assert str(err.value) == (
         f"checkpoint {ckpt.path}/actor.pt does not fit the actor model of "
         f"model.path=builtin:tiny: embed.weight is [10, 4] in the checkpoint and [10, 8] in the "
@@ -211,17 +211,17 @@ def test_a_checkpoint_of_another_model_size_names_the_tensor(tmp_path):
 
 
 def test_shape_difference_in_words():
-    assert checkpoint.shape_difference(SHAPES, SHAPES) is None
+    assert resume_checks.shape_difference(SHAPES, SHAPES) is None
     assert (
-        checkpoint.shape_difference({"a": (1,)}, {"a": (1,), "b": (2,)})
+        resume_checks.shape_difference({"a": (1,)}, {"a": (1,), "b": (2,)})
         == "the checkpoint lacks b (1 missing, 0 unexpected tensors)"
     )
     assert (
-        checkpoint.shape_difference({"a": (1,), "c": (3,)}, {"a": (1,)})
+        resume_checks.shape_difference({"a": (1,), "c": (3,)}, {"a": (1,)})
         == "the model has no c (0 missing, 1 unexpected tensors)"
     )
     assert (
-        checkpoint.shape_difference({"a": (1,), "b": (1,)}, {"a": (2,), "b": (2,)})
+        resume_checks.shape_difference({"a": (1,), "b": (1,)}, {"a": (2,), "b": (2,)})
         == "a is [1] in the checkpoint and [2] in the model (1 more tensors differ)"
     )
 
@@ -234,8 +234,8 @@ def test_expected_shapes_are_those_of_the_loaded_models():
     path = materialize_builtin("tiny")
     for role, load in (("actor", load_causal_lm), ("critic", load_value_model)):
         loaded = {k: tuple(v.shape) for k, v in load(path).state_dict().items()}
-        assert checkpoint.expected_shapes(path, role) == loaded, role
-    assert checkpoint.expected_shapes("/nonexistent/model", "actor") is None
+        assert resume_checks.expected_shapes(path, role) == loaded, role
+    assert resume_checks.expected_shapes("/nonexistent/model", "actor") is None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,13 +11,14 @@ import glob
 import json
 import socket
 import struct
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.metrics import TRACKERS, MetricsLogger
-from cloudrl.trainer.state import checkpoint
+from cloudrl.trainer.state import timeline
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ def run_dir(tmp_path: Path):
     run_dir = str(tmp_path / "run")
     Path(run_dir).mkdir()
     yield run_dir
-    checkpoint.forget(run_dir)
+    timeline.forget(run_dir)
 
 
 def config(run_dir: str, loggers: str, **keys):
@@ -37,18 +38,26 @@ def config(run_dir: str, loggers: str, **keys):
 
 def fresh_timeline(run_dir: str) -> str:
     """A new run in run_dir (a first start, or one after trainer.resume=never): a new timeline, recorded."""
-    checkpoint.forget(run_dir)
-    timeline = checkpoint.begin_timeline(run_dir, None, continuing=False)
-    checkpoint.write_timeline(run_dir)
-    return timeline.run_id
+    timeline.forget(run_dir)
+    begun = timeline.begin_timeline(run_dir, None, continuing=False)
+    timeline.write_timeline(run_dir)
+    return begun.run_id
 
 
 def continue_timeline(run_dir: str) -> None:
     """A new process that continues run_dir's timeline (resume=auto, a resubmit): timeline.json rules."""
-    checkpoint.forget(run_dir)
+    timeline.forget(run_dir)
+
+
+_LAST_START = [0]
 
 
 def log_steps(cfg, resumed_step: int, values: dict[int, float]) -> None:
+    # W&B names an offline run's directory by its start second and run id: a resume of the same run id
+    # within the second of the previous start would share (and overwrite) that directory.
+    while int(time.time()) == _LAST_START[0]:
+        time.sleep(0.05)
+    _LAST_START[0] = int(time.time())
     logger = MetricsLogger(cfg, cfg.trainer.run_dir, resumed_step)
     for step, value in values.items():
         logger.log(step, {"rollout/reward_mean": value, "val/set@1/reward_mean": value})
@@ -101,8 +110,19 @@ def wandb_records(path: str):
             yield record
 
 
-def wandb_runs(wandb_dir: Path) -> list[tuple[str, dict[int, float]]]:
-    """Each offline run started, in order: its W&B run id and the steps it logged with their rewards."""
+def wandb_runs(wandb_dir: Path, expected: int, timeout_s: float = 30.0) -> list[tuple[str, dict[int, float]]]:
+    """Each offline run started, in order: its W&B run id and the steps it logged with their rewards. W&B's
+    service process writes a run's file on its own time, also after `finish` returned: this waits (up to
+    `timeout_s`) until `expected` runs are there, each with its run record and a logged step."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = _read_wandb_runs(wandb_dir)
+        if (len(runs) >= expected and all(run_id and steps for run_id, steps in runs)) or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.2)
+
+
+def _read_wandb_runs(wandb_dir: Path) -> list[tuple[str, dict[int, float]]]:
     runs = []
     for path in glob.glob(str(wandb_dir / "wandb" / "offline-run-*" / "run-*.wandb")):
         run_id = None
@@ -132,7 +152,7 @@ def test_wandb_resume_continues_the_same_run_and_a_fresh_timeline_gets_a_new_one
     second = fresh_timeline(run_dir)
     log_steps(cfg, 0, {1: 0.5})
 
-    runs = wandb_runs(wandb_dir)
+    runs = wandb_runs(wandb_dir, expected=3)
     assert [run_id for run_id, _ in runs] == [first, first, second]
     assert first != second
     # Steps continue past the resume; W&B holds step 3 once (its first value), as it takes no step twice.
@@ -152,13 +172,18 @@ def test_wandb_gets_no_secret_from_the_environment(run_dir, wandb_offline, monke
     cfg = config(run_dir, "wandb", wandb_group=f"g-{token}", ray_address=f"ray://admin:{token}@10.0.0.1:10001")
     fresh_timeline(run_dir)
     log_steps(cfg, 0, {1: 0.1})
+    deadline = time.monotonic() + 30  # W&B's service writes the file on its own time, also after finish
     config_items = {}
-    for path in glob.glob(str(wandb_dir / "wandb" / "offline-run-*" / "run-*.wandb")):
-        for record in wandb_records(path):
-            kind = record.WhichOneof("record_type")
-            # The config comes in the run record, or after it in config records, as W&B's timing has it.
-            updates = record.run.config.update if kind == "run" else record.config.update if kind == "config" else []
-            config_items.update({item.key: json.loads(item.value_json) for item in updates})
+    while "trainer" not in config_items and time.monotonic() < deadline:
+        time.sleep(0.2)
+        for path in glob.glob(str(wandb_dir / "wandb" / "offline-run-*" / "run-*.wandb")):
+            for record in wandb_records(path):
+                kind = record.WhichOneof("record_type")
+                # The config comes in the run record, or after it in config records, as W&B's timing has it.
+                updates = (
+                    record.run.config.update if kind == "run" else record.config.update if kind == "config" else []
+                )
+                config_items.update({item.key: json.loads(item.value_json) for item in updates})
     assert config_items["trainer"]["wandb_group"] == "g-***"
     assert config_items["trainer"]["ray_address"] == "ray://***@10.0.0.1:10001"
     assert config_items["timeline"]["run_id"]

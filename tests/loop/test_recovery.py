@@ -9,7 +9,7 @@ import os
 import signal
 
 import pytest
-from cloudrl.trainer.state import checkpoint
+from cloudrl.trainer.state import checkpoint, layout, timeline
 from runs import logged_steps, run_trainer, start_trainer, tiny_overrides, wait_for_step
 
 pytestmark = pytest.mark.ray
@@ -22,7 +22,7 @@ def test_sigterm_during_a_step_leaves_a_checkpoint_of_that_step_and_the_resume_l
     proc = start_trainer(run_dir, log, ray_local, **extra)
     try:
         done = wait_for_step(proc, run_dir, log)
-        assert not checkpoint.list_checkpoints(str(run_dir))  # save_every=0: none until the end
+        assert not layout.list_checkpoints(str(run_dir))  # save_every=0: none until the end
         proc.send_signal(signal.SIGTERM)  # the driver only, as Ray's job stop does
         code = proc.wait(timeout=120)
     finally:
@@ -32,7 +32,7 @@ def test_sigterm_during_a_step_leaves_a_checkpoint_of_that_step_and_the_resume_l
     text = log.read_text()
     last = max(logged_steps(run_dir))
     assert done <= last < 50, text[-3000:]  # the step in flight finished, no further one started
-    latest = checkpoint.latest(str(run_dir))
+    latest = timeline.latest(str(run_dir))
     assert latest is not None and latest.name == f"step_{last:06d}", text[-3000:]
     assert checkpoint.load(latest, ["actor", "critic"]).state["step"] == last
     assert code == 1

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from cloudrl.trainer.state import checkpoint
+from cloudrl.trainer.state import checkpoint, layout, timeline
 from runs import REPO, local_cluster, start_worker_node, tiny_overrides, wait_nodes
 
 pytestmark = pytest.mark.ray
@@ -81,14 +81,14 @@ def test_a_lost_worker_node_is_replaced_and_the_run_finishes(private_cache, tmp_
             run_dir, log = tmp_path / "auto", tmp_path / "auto.log"
             proc = _driver(run_dir, state["gcs_address"], log)
             deadline = time.time() + 400
-            while not checkpoint.list_checkpoints(str(run_dir)) and time.time() < deadline and proc.poll() is None:
+            while not layout.list_checkpoints(str(run_dir)) and time.time() < deadline and proc.poll() is None:
                 time.sleep(0.1)
-            assert checkpoint.list_checkpoints(str(run_dir)), f"no checkpoint in time:\n{log.read_text()[-3000:]}"
+            assert layout.list_checkpoints(str(run_dir)), f"no checkpoint in time:\n{log.read_text()[-3000:]}"
             placement = json.loads((run_dir / "placement.json").read_text())
             assert len({w["node_id"] for w in placement["actor"]}) == 2  # both roles span both nodes
             assert len({w["node_id"] for w in placement["critic"]}) == 2
             _sigkill_node(nodes[0])
-            saved_at = int(checkpoint.latest(str(run_dir)).name.split("_")[1])
+            saved_at = int(timeline.latest(str(run_dir)).name.split("_")[1])
             nodes.append(start_worker_node(state, "w2", CPUS))  # the replacement instance
             code = _finish(proc, 500)
             text = log.read_text()
@@ -104,14 +104,14 @@ def test_a_lost_worker_node_is_replaced_and_the_run_finishes(private_cache, tmp_
 
             # By hand: the same checkpoint in a fresh run_dir, resumed with trainer.resume=auto.
             by_hand = tmp_path / "by-hand"
-            source = checkpoint.checkpoint_root(str(run_dir)) / f"step_{saved_at:06d}"
-            shutil.copytree(source, checkpoint.checkpoint_root(str(by_hand)) / source.name)
+            source = layout.checkpoint_root(str(run_dir)) / f"step_{saved_at:06d}"
+            shutil.copytree(source, layout.checkpoint_root(str(by_hand)) / source.name)
             hand_log = tmp_path / "by-hand.log"
             assert _finish(_driver(by_hand, state["gcs_address"], hand_log), 400) == 0, hand_log.read_text()[-3000:]
             final = f"step_{4:06d}"
             for role in ("actor", "critic"):
-                a = checkpoint.read_full(checkpoint.checkpoint_root(str(run_dir)) / final, role)["model"]
-                b = checkpoint.read_full(checkpoint.checkpoint_root(str(by_hand)) / final, role)["model"]
+                a = checkpoint.read_full(layout.checkpoint_root(str(run_dir)) / final, role)["model"]
+                b = checkpoint.read_full(layout.checkpoint_root(str(by_hand)) / final, role)["model"]
                 for name, value in a.items():
                     torch.testing.assert_close(b[name], value, rtol=1e-5, atol=1e-6, msg=f"{role}: {name}")
         finally:

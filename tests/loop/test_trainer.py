@@ -17,7 +17,7 @@ import torch
 from cloudrl.trainer.config import ALGORITHMS, Config, load_config
 from cloudrl.trainer.driver import train
 from cloudrl.trainer.inputs.models import load_causal_lm, resolve_path
-from cloudrl.trainer.state import checkpoint
+from cloudrl.trainer.state import checkpoint, layout, timeline
 from runs import REPO, REWARD_RISES, TINY_STRAIGHT_STEPS, first_and_last_means, metric_rows, run_trainer
 
 pytestmark = pytest.mark.ray
@@ -100,7 +100,7 @@ def test_each_algorithm_trains_every_parameter_and_raises_the_reward(learning_ru
     if algorithm == "ppo":  # the critic trained as well
         from cloudrl.trainer.inputs.models import load_value_model
 
-        critic = checkpoint.read_full(checkpoint.latest(run_dir), "critic")["model"]
+        critic = checkpoint.read_full(timeline.latest(run_dir), "critic")["model"]
         fresh = dict(load_value_model(resolve_path(cfg.model.path, cfg)).named_parameters())
         assert not [n for n, p in fresh.items() if torch.equal(critic[n], p)]
 
@@ -135,7 +135,7 @@ def test_exported_model_loads_with_plain_transformers(learning_run):
     # weights (cast to the exported dtype), and that policy is not the one the run started from.
     from safetensors.torch import load_file
 
-    final = checkpoint.load(checkpoint.latest(run_dir), ["actor"])
+    final = checkpoint.load(timeline.latest(run_dir), ["actor"])
     assert final.state["step"] == total
     actor = checkpoint.read_full(final.path, "actor")["model"]
     exported = load_file(os.path.join(summary["exported_model"], "model.safetensors"))
@@ -189,15 +189,13 @@ def test_kill_and_resume_matches_uninterrupted_run(ray_local, tiny_straight_run,
         )
     try:
         deadline = time.time() + 300
-        while not checkpoint.list_checkpoints(str(crashed)) and time.time() < deadline and proc.poll() is None:
+        while not layout.list_checkpoints(str(crashed)) and time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        assert checkpoint.list_checkpoints(str(crashed)), (
-            f"no checkpoint in time; driver log:\n{log.read_text()[-3000:]}"
-        )
+        assert layout.list_checkpoints(str(crashed)), f"no checkpoint in time; driver log:\n{log.read_text()[-3000:]}"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    killed_at = int(checkpoint.latest(str(crashed)).name.split("_")[1])
+    killed_at = int(timeline.latest(str(crashed)).name.split("_")[1])
     assert killed_at < steps, "the run got too far before the kill to test a resume"
 
     resumed = train(load_config("local", tiny_straight_run.overrides(crashed)))
@@ -205,11 +203,11 @@ def test_kill_and_resume_matches_uninterrupted_run(ray_local, tiny_straight_run,
     # The driver's RNG states come back from the checkpoint (rng.json): nothing in a step draws from them, so
     # every checkpoint of the resumed driver holds the states the killed driver saved, not this process's.
     rng = [
-        (checkpoint.checkpoint_root(str(crashed)) / f"step_{s:06d}" / checkpoint.RNG).read_text()
+        (layout.checkpoint_root(str(crashed)) / f"step_{s:06d}" / layout.RNG).read_text()
         for s in range(killed_at, steps + 1)
     ]
     assert rng[1:] == rng[:1] * (steps - killed_at)
-    assert rng[0] != (checkpoint.checkpoint_root(str(straight)) / "step_000001" / checkpoint.RNG).read_text()
+    assert rng[0] != (layout.checkpoint_root(str(straight)) / "step_000001" / layout.RNG).read_text()
     a, b = _final_actor(straight, steps), _final_actor(crashed, steps)
     for name, tensor in a["model"].items():
         torch.testing.assert_close(b["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
@@ -246,8 +244,8 @@ def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
             keep_last=2,
         )
     monkeypatch.setattr(torch, "save", real_save)
-    assert checkpoint.latest(run_dir) == first
-    assert [p.name for p in checkpoint.checkpoint_root(run_dir).iterdir()] == ["step_000001"]
+    assert timeline.latest(run_dir) == first
+    assert [p.name for p in layout.checkpoint_root(run_dir).iterdir()] == ["step_000001"]
     loaded = checkpoint.load(first, ["actor"])
     assert loaded.state["step"] == 1 and torch.equal(loaded.parts["actor"]["w"], torch.ones(2))
 
@@ -255,7 +253,7 @@ def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     for step in range(1, 5):
         checkpoint.save(str(tmp_path), step, {"actor": {}}, {"step": step}, "", keep_last=2)
-    assert [p.name for p in checkpoint.list_checkpoints(str(tmp_path))] == ["step_000003", "step_000004"]
+    assert [p.name for p in layout.list_checkpoints(str(tmp_path))] == ["step_000003", "step_000004"]
 
 
 # ---- Bad input: one line, exit 1, no traceback, nothing started. -------------------------------

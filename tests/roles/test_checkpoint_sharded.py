@@ -14,7 +14,7 @@ import pytest
 import torch
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.inputs.models import resolve_path
-from cloudrl.trainer.state import checkpoint
+from cloudrl.trainer.state import checkpoint, layout, timeline
 from runs import REPO
 
 
@@ -102,15 +102,15 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, run_dir], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "writing"
-        assert list(checkpoint.checkpoint_root(run_dir).glob(".step_000002.tmp*/actor/__0_0.distcp"))
+        assert list(layout.checkpoint_root(run_dir).glob(".step_000002.tmp*/actor/__0_0.distcp"))
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-    assert checkpoint.latest(run_dir) == first
+    assert timeline.latest(run_dir) == first
     assert checkpoint.load(first, ["actor"]).state["step"] == 1
     # The next save clears what the killed process left behind.
     checkpoint.save(run_dir, 3, {}, {"step": 3}, "", keep_last=5)
-    assert sorted(p.name for p in checkpoint.checkpoint_root(run_dir).iterdir()) == ["step_000001", "step_000003"]
+    assert sorted(p.name for p in layout.checkpoint_root(run_dir).iterdir()) == ["step_000001", "step_000003"]
 
 
 @pytest.mark.ray

@@ -13,7 +13,7 @@ import pytest
 import torch
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.errors import CheckpointError
-from cloudrl.trainer.state import checkpoint, storage
+from cloudrl.trainer.state import checkpoint, layout, storage, timeline
 from servers import s3_server
 
 pytest.importorskip("s3fs")
@@ -73,7 +73,7 @@ def _plant_copy(fs, prefix: str, files: dict[str, bytes], manifest: dict | None 
 
 def _clean(run_dir: Path) -> None:
     """Nothing half-written that a later resume could pick, nothing outside run_dir."""
-    root = checkpoint.checkpoint_root(str(run_dir))
+    root = layout.checkpoint_root(str(run_dir))
     assert not list(root.glob(".*download*")), list(root.iterdir())
 
 
@@ -92,7 +92,7 @@ def test_a_planted_pickle_in_the_bucket_never_runs(fs, tmp_path):
     message = str(err.value)
     assert "holds objects its manifest.json does not list (rng.pt)" in message and "\n" not in message
     assert "writable by this run only" in message
-    assert not marker.exists() and not checkpoint.list_checkpoints(str(run_dir))
+    assert not marker.exists() and not layout.list_checkpoints(str(run_dir))
     _clean(run_dir)
 
     # A fully consistent planted copy (the attacker rewrote the manifest): fetched, and read as data only.
@@ -106,7 +106,7 @@ def test_a_planted_pickle_in_the_bucket_never_runs(fs, tmp_path):
     manifest["files"] = checkpoint.file_entries(local)
     _plant_copy(fs, planted, {k: v for k, v in swapped.items() if k != "manifest.json"}, manifest)
     fetched = storage.fetch_newest(uri, str(run_dir))
-    assert fetched == checkpoint.checkpoint_root(str(run_dir)) / "step_999999"
+    assert fetched == layout.checkpoint_root(str(run_dir)) / "step_999999"
     with pytest.raises(CheckpointError, match=f"^cannot read checkpoint file {fetched}/actor.pt"):
         checkpoint.load(fetched, ["actor"])
     assert not marker.exists()
@@ -140,7 +140,7 @@ def test_two_runs_sharing_a_uri_keep_their_copies(fs, tmp_path):
     for step in (1, 2, 3):
         _save_and_upload(tmp_path / "a", step, uri, tag="a")
     assert _remote(fs, uri) == ["step_000002", "step_000003"]  # keep_last applies to the bucket
-    run_a = checkpoint.read_manifest(tmp_path / "a" / "checkpoints" / "step_000003")["run_id"]
+    run_a = layout.read_manifest(tmp_path / "a" / "checkpoints" / "step_000003")["run_id"]
     for step in (10, 11, 12):  # another run, same URI: it prunes only its own copies
         _save_and_upload(tmp_path / "b", step, uri, tag="b")
     assert _remote(fs, uri) == ["step_000002", "step_000003", "step_000011", "step_000012"]
@@ -156,9 +156,9 @@ def test_two_runs_sharing_a_uri_keep_their_copies(fs, tmp_path):
     assert f"trainer.resume=s3://{fs.bucket}/shared/step_000002" in message
     # Run a's own instance knows its run (timeline.json): it fetches its own newest copy, not b's step 12.
     (tmp_path / "a" / "checkpoints" / "step_000002").rename(tmp_path / "gone")
-    for p in checkpoint.list_checkpoints(str(tmp_path / "a")):
+    for p in layout.list_checkpoints(str(tmp_path / "a")):
         __import__("shutil").rmtree(p)
-    checkpoint.forget(str(tmp_path / "a"))
+    timeline.forget(str(tmp_path / "a"))
     assert storage.fetch_newest(uri, str(tmp_path / "a")).name == "step_000002"
     # The choice the refusal named works: trainer.resume=<url of a copy>.
     cfg = load_config(
@@ -190,8 +190,8 @@ def test_resuming_an_older_step_keeps_the_newer_copies(fs, tmp_path):
     run_dir = tmp_path / "run"
     for step in (10, 20, 30):
         _save_and_upload(run_dir, step, uri, keep_last=3, tag="old")
-    checkpoint.forget(str(run_dir))
-    checkpoint.begin_timeline(str(run_dir), run_dir / "checkpoints" / "step_000010", continuing=False)
+    timeline.forget(str(run_dir))
+    timeline.begin_timeline(str(run_dir), run_dir / "checkpoints" / "step_000010", continuing=False)
     for step in (15, 25):
         _save_and_upload(run_dir, step, uri, keep_last=1, tag="new")
     assert _remote(fs, uri) == ["step_000010", "step_000020", "step_000025", "step_000030"]  # 15: its own, pruned
@@ -233,10 +233,10 @@ def test_an_interrupted_fetch_leaves_nothing_a_resume_would_pick(fs, tmp_path, m
         storage.fetch_newest(uri, str(run_dir))
     if not isinstance(error, KeyboardInterrupt):
         assert "downloading step_000001 from trainer.checkpoint_uri" in str(err.value) and "\n" not in str(err.value)
-    assert cut["fs"].calls == 2 and not checkpoint.list_checkpoints(str(run_dir))
+    assert cut["fs"].calls == 2 and not layout.list_checkpoints(str(run_dir))
     _clean(run_dir)
     # A download directory a SIGKILL left behind is cleared by the next fetch, which then completes.
-    stale = checkpoint.checkpoint_root(str(run_dir)) / ".step_000001.download999-dead"
+    stale = layout.checkpoint_root(str(run_dir)) / ".step_000001.download999-dead"
     (stale / "actor").mkdir(parents=True)
     monkeypatch.setattr(storage, "_fs", real_fs)
     assert storage.fetch_newest(uri, str(run_dir)).name == "step_000001"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from cloudrl.trainer.errors import CheckpointError
-from cloudrl.trainer.state import checkpoint
+from cloudrl.trainer.state import checkpoint, layout, timeline
 
 
 @pytest.fixture
@@ -38,8 +38,8 @@ def _assert_refused_and_intact(err: pytest.ExceptionInfo, run_dir: Path, first: 
     assert "\n" not in message
     assert f"saving checkpoint {run_dir}/checkpoints/step_000002 failed: no space left on device" in message
     assert f"the previous checkpoint {first} is intact" in message and "larger volume" in message
-    assert [p.name for p in checkpoint.checkpoint_root(str(run_dir)).iterdir()] == ["step_000001"]  # no temp dir
-    assert checkpoint.latest(str(run_dir)) == first
+    assert [p.name for p in layout.checkpoint_root(str(run_dir)).iterdir()] == ["step_000001"]  # no temp dir
+    assert timeline.latest(str(run_dir)) == first
     assert torch.equal(checkpoint.load(first, ["actor"]).parts["actor"]["w"], torch.ones(16))
 
 
@@ -75,7 +75,7 @@ def test_a_disk_without_room_for_another_checkpoint_fails_before_writing(small_d
         checkpoint.save(str(run_dir), 2, {"actor": {"w": torch.ones(200_000)}}, {"step": 2}, "", keep_last=2)
     assert str(err.value).startswith(f"saving checkpoint {run_dir}/checkpoints/step_000002 needs about 0.8 MiB")
     assert f"the previous checkpoint {first} is intact" in str(err.value)
-    assert [p.name for p in checkpoint.checkpoint_root(str(run_dir)).iterdir()] == ["step_000001"]
+    assert [p.name for p in layout.checkpoint_root(str(run_dir)).iterdir()] == ["step_000001"]
 
 
 def test_a_kill_while_a_step_is_saved_again_loses_nothing(tmp_path):
@@ -86,7 +86,7 @@ def test_a_kill_while_a_step_is_saved_again_loses_nothing(tmp_path):
     aside = first.with_name(f".{first.name}.old4242")
     first.rename(aside)  # where a kill between the two renames leaves it
     checkpoint.save(str(run_dir), 3, {"actor": {"w": torch.zeros(16)}}, {"step": 3}, "", keep_last=5)
-    assert [p.name for p in checkpoint.list_checkpoints(str(run_dir))] == ["step_000001", "step_000003"]
+    assert [p.name for p in layout.list_checkpoints(str(run_dir))] == ["step_000001", "step_000003"]
     assert torch.equal(checkpoint.load(first, ["actor"]).parts["actor"]["w"], torch.ones(16))
     again = checkpoint.save(str(run_dir), 1, {"actor": {"w": torch.full((16,), 2.0)}}, {"step": 1}, "", keep_last=5)
     assert again == first and not list(first.parent.glob(".step_*"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from cloudrl.trainer.config import PRESET_DIR, available_presets, load_config
 from cloudrl.trainer.errors import CheckpointError
-from cloudrl.trainer.state import checkpoint
+from cloudrl.trainer.state import checkpoint, layout, resume_checks, timeline
 from cloudrl.trainer.state.run_dir import resume_point
 from runs import REPO
 
@@ -28,25 +28,25 @@ def _save(run_dir: Path, step: int, keep_last: int = 2, tag: str = "", config: s
 
 
 def _names(run_dir: Path) -> list[str]:
-    return [p.name for p in checkpoint.list_checkpoints(str(run_dir))]
+    return [p.name for p in layout.list_checkpoints(str(run_dir))]
 
 
 def _new_process(run_dir: Path) -> None:
     """What a resubmitted job sees: no timeline in memory, only what run_dir holds."""
-    checkpoint.forget(str(run_dir))
+    timeline.forget(str(run_dir))
 
 
 def test_resuming_from_an_older_step_keeps_the_newer_ones_and_follows_the_new_timeline(tmp_path):
     run_dir = tmp_path / "run"
     for step in (10, 20, 30):
         _save(run_dir, step, keep_last=3, tag="old")
-    first_run = checkpoint.read_manifest(run_dir / "checkpoints" / "step_000010")["run_id"]
+    first_run = layout.read_manifest(run_dir / "checkpoints" / "step_000010")["run_id"]
 
     _new_process(run_dir)  # the user goes back to step 10: trainer.resume=<run_dir>/checkpoints/step_000010
     older = resume_point(str(run_dir), str(run_dir / "checkpoints" / "step_000010"))
-    branch = checkpoint.begin_timeline(str(run_dir), older, continuing=False)
+    branch = timeline.begin_timeline(str(run_dir), older, continuing=False)
     assert branch.run_id != first_run and branch.parent == {"run_id": first_run, "step": 10}
-    assert checkpoint.latest(str(run_dir)) == older  # a restart before the first save goes back to step 10
+    assert timeline.latest(str(run_dir)) == older  # a restart before the first save goes back to step 10
 
     saved = _save(run_dir, 15, keep_last=2, tag="new")
     assert saved.exists()  # not pruned the moment it was written
@@ -62,7 +62,7 @@ def test_resuming_from_an_older_step_keeps_the_newer_ones_and_follows_the_new_ti
         _new_process(run_dir)
         if forget_record:
             (run_dir / "timeline.json").unlink()  # even without it: the branch saved last is the live one
-        assert checkpoint.latest(str(run_dir)) == run_dir / "checkpoints" / "step_000025"
+        assert timeline.latest(str(run_dir)) == run_dir / "checkpoints" / "step_000025"
 
 
 def test_resume_auto_continues_its_run_id_and_prunes_only_its_own(tmp_path):
@@ -71,7 +71,7 @@ def test_resume_auto_continues_its_run_id_and_prunes_only_its_own(tmp_path):
     run_id = json.loads((run_dir / "timeline.json").read_text())["run_id"]
     _new_process(run_dir)
     found = resume_point(str(run_dir), "auto")
-    assert checkpoint.begin_timeline(str(run_dir), found, continuing=True).run_id == run_id
+    assert timeline.begin_timeline(str(run_dir), found, continuing=True).run_id == run_id
     for step in (2, 3):
         _save(run_dir, step)
     assert _names(run_dir) == ["step_000002", "step_000003"]
@@ -97,7 +97,7 @@ def test_two_unrelated_runs_in_one_run_dir_make_resume_auto_refuse_and_name_the_
     )
     # A run_dir that knows its run (timeline.json) is not ambiguous, and never prunes the stranger.
     _new_process(run_dir)
-    checkpoint.begin_timeline(str(run_dir), run_dir / "checkpoints" / "step_000005", continuing=True)
+    timeline.begin_timeline(str(run_dir), run_dir / "checkpoints" / "step_000005", continuing=True)
     for step in (6, 8, 9):
         _save(run_dir, step, keep_last=1)
     assert _names(run_dir) == ["step_000007", "step_000009"]
@@ -108,14 +108,14 @@ def test_resume_auto_refuses_a_checkpoint_of_another_preset(tmp_path):
     path = _save(tmp_path, 3, config=local.to_yaml())
     mine = load_config(str(REPO / "examples" / "my-job" / "my-job.yaml"), [f"trainer.run_dir={tmp_path}"])
     with pytest.raises(CheckpointError) as err:
-        checkpoint.check_same_run(checkpoint.load(path, ["actor"]), mine)
+        resume_checks.check_same_run(checkpoint.load(path, ["actor"]), mine)
     assert str(err.value) == (
         f"trainer.resume=auto found {path}, saved by a run with data.train_files='builtin:arithmetic', but this run "
         f"sets data.train_files='train.jsonl': resume=auto continues only the same run: give this run a "
         f"trainer.run_dir (and trainer.checkpoint_uri) of its own, or continue that checkpoint on purpose with "
         f"trainer.resume={path}"
     )
-    checkpoint.check_same_run(checkpoint.load(path, ["actor"]), load_config("local", ["actor.lr=1e-5"]))
+    resume_checks.check_same_run(checkpoint.load(path, ["actor"]), load_config("local", ["actor.lr=1e-5"]))
 
 
 def test_a_finished_run_is_not_resumed_into_nothing(tmp_path):

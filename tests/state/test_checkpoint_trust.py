@@ -13,7 +13,7 @@ import pytest
 import torch
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.errors import CheckpointError
-from cloudrl.trainer.state import checkpoint
+from cloudrl.trainer.state import checkpoint, layout
 
 
 class Planted:
@@ -176,7 +176,7 @@ def test_a_checkpoint_without_hashes_is_refused_naming_the_fix(tmp_path):
     sizes.pop("manifest.json")
     (path / "manifest.json").write_text(json.dumps({"files": sizes}))
     message = _refused(path, "was saved without content hashes", marker)
-    assert message.endswith(checkpoint.NO_HASHES_FIX) and "trainer.resume=never" in message
+    assert message.endswith(layout.NO_HASHES_FIX) and "trainer.resume=never" in message
     (path / "manifest.json").unlink()
     _refused(path, "has no manifest.json", marker)
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.driver import train
-from cloudrl.trainer.state import checkpoint
+from cloudrl.trainer.state import timeline
 from runs import tiny_overrides
 from servers import s3_server as moto_server
 
@@ -56,7 +56,7 @@ def test_resume_from_the_bucket_after_the_run_dir_is_deleted(ray_local, s3_serve
     shutil.rmtree(run_dir)  # the instance and its disk are gone
     summary = train(load_config("local", tiny_overrides(run_dir, **common, **{"trainer.total_steps": 4})))
     assert summary["resumed_from"] == 3 and summary["steps"] == 4
-    assert checkpoint.latest(str(run_dir)).name == "step_000004"
+    assert timeline.latest(str(run_dir)).name == "step_000004"
     fs.invalidate_cache()
     assert fs.exists("cloudrl-ckpt/runs/a/step_000004/COMPLETE")
     log_text = (run_dir / "metrics.jsonl").read_text() + (run_dir / "config.yaml").read_text()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import DataError
-from ..state import checkpoint
+from ..state import checkpoint, layout, resume_checks, timeline
 from ..state.run_dir import resume_point, under_runs_dir
 from .data import PromptRecord, load_prompts
 from .models import load_tokenizer, quiet_transformers, resolve_path
@@ -70,11 +70,11 @@ def decide_resume(cfg: Config) -> ResumePoint:
     as it is and welcomes a finished run's checkpoint."""
     cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
     run_dir, resume = cfg.trainer.run_dir, cfg.trainer.resume
-    checkpoint.forget(run_dir)  # this run's timeline is decided from run_dir alone
-    found = checkpoint.resolve_resume(run_dir, resume) if cfg.trainer.eval_only else resume_point(run_dir, resume)
+    timeline.forget(run_dir)  # this run's timeline is decided from run_dir alone
+    found = timeline.resolve_resume(run_dir, resume) if cfg.trainer.eval_only else resume_point(run_dir, resume)
     ckpt = open_checkpoint(cfg, found) if found else None
     if ckpt is not None and not cfg.trainer.eval_only:
-        checkpoint.check_unfinished(ckpt, cfg.trainer.total_steps)
+        resume_checks.check_unfinished(ckpt, cfg.trainer.total_steps)
     return ResumePoint(ckpt)
 
 
@@ -107,8 +107,8 @@ def prepare(cfg: Config, start: ResumePoint | None = None) -> Inputs:
     reward_fn = resolve_reward(cfg.reward)
     if not eval_only:  # run_dir's timeline is left as it is when scoring a model
         resume_from = resume.path if resume is not None else None
-        checkpoint.begin_timeline(cfg.trainer.run_dir, resume_from, continuing=cfg.trainer.resume == "auto")
-        checkpoint.make_root(cfg.trainer.run_dir)
+        timeline.begin_timeline(cfg.trainer.run_dir, resume_from, continuing=cfg.trainer.resume == "auto")
+        layout.make_root(cfg.trainer.run_dir)
     return Inputs(model_path, critic_path, tokenizer, train, val, resume, reward_fn, val_sets)
 
 
@@ -131,8 +131,8 @@ def open_checkpoint(cfg: Config, path: Path) -> checkpoint.Checkpoint:
     roles = ["actor", *(["critic"] if cfg.uses_critic else [])]
     ckpt = checkpoint.load(path, roles, checkpoint.signing_key(cfg.trainer.checkpoint_key_env))
     if cfg.trainer.resume == "auto":
-        checkpoint.check_same_run(ckpt, cfg)
-    checkpoint.check_algorithm(ckpt, cfg)
+        resume_checks.check_same_run(ckpt, cfg)
+    resume_checks.check_algorithm(ckpt, cfg)
     return ckpt
 
 
@@ -140,8 +140,8 @@ def check_model_shapes(cfg: Config, ckpt: checkpoint.Checkpoint, model_path: str
     """Refuse a checkpoint whose parameter shapes are not those of the models this run loads (built on
     the meta device from their configs: no weights read)."""
     roles = {"actor": model_path, **({"critic": critic_path} if cfg.uses_critic else {})}
-    shapes = {role: checkpoint.expected_shapes(p, role, cfg.model.trust_remote_code) for role, p in roles.items()}
-    checkpoint.check_shapes(ckpt, cfg, {role: s for role, s in shapes.items() if s is not None})
+    shapes = {role: resume_checks.expected_shapes(p, role, cfg.model.trust_remote_code) for role, p in roles.items()}
+    resume_checks.check_shapes(ckpt, cfg, {role: s for role, s in shapes.items() if s is not None})
 
 
 def open_resume(cfg: Config, path: Path, model_path: str, critic_path: str) -> checkpoint.Checkpoint:

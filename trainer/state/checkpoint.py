@@ -7,27 +7,17 @@ weights and optimizer state in parallel, straight into the temporary directory w
 (the driver's node, a shared volume), else through Ray to the driver (shards.py). No process ever holds
 more than its own shard, and the shards load into any number of ranks (resharded on load).
 
-    step_000010/
-      actor/           DCP: .metadata and one __<rank>_0.distcp file per writing rank
-      actor.json       LR-scheduler state
-      critic/, critic.json   the same for the value model (PPO only)
-      trainer.json     step, data position, KL coefficient, metrics history
-      rng.json         the driver's RNG states
-      config.yaml      the resolved config of the run
-      manifest.json    written last: the run id, and every file's size and SHA-256
+The directory's files are listed in layout.py.
 
 Nothing read back is unpickled by Python's pickle: tensors load with `torch.load(weights_only=True)`,
 the DCP `.metadata` with an unpickler that builds only DCP's own metadata classes (`load_dcp_metadata`),
 everything else is JSON or YAML. Before a resume starts any actor, the checkpoint is checked: every file
-against the manifest (size, then SHA-256; a file the manifest does not list is refused), the algorithm
-it was saved by, and its parameter names and shapes against the models this run loads. A checkpoint
-without content hashes (saved by an older cloudrl) is refused.
+against the manifest (size, then SHA-256; a file the manifest does not list is refused) and, with
+`trainer.checkpoint_key_env`, the manifest against its signature. A checkpoint without content hashes
+(saved by an older cloudrl) is refused.
 
-Runs and timelines: the first save of a run mints a run id, kept in every checkpoint's manifest and in
-`run_dir/timeline.json`. `trainer.keep_last` prunes only the current run id's checkpoints; a run that
-resumes from a chosen checkpoint (`trainer.resume=<path>`) starts a new run id that records where it
-branched from, so the checkpoints it leaves behind are never pruned by it, and `latest` (resume=auto,
-restarts) follows the current timeline, not the highest step number.
+The run id a save writes into the manifest, and which of this run's checkpoints `trainer.keep_last`
+prunes, come from timeline.py; whether a checkpoint fits this run is resume_checks.py's.
 """
 
 from __future__ import annotations
@@ -42,7 +32,6 @@ import pickle
 import random
 import secrets
 import shutil
-import tempfile
 import time
 import zipfile
 from collections.abc import Callable
@@ -53,258 +42,19 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from ..errors import CheckpointError, ConfigError, TrainerError
-
-PREFIX = "step_"
-MANIFEST = "manifest.json"
-DCP_METADATA = ".metadata"
-RNG = "rng.json"
-FORMAT = 2
-TIMELINE = "timeline.json"
-"""run_dir/timeline.json: the run id this run_dir's run saves under, and where it branched from."""
-ASIDE = "timeline-"
-"""checkpoints/timeline-<run id>/step_N: another run's checkpoint moved out of the way of a save of the
-same step (kept, never pruned, never picked by resume=auto)."""
-FRESH_START = "pick a new trainer.run_dir"
-NO_HASHES_FIX = "start over with trainer.resume=never in a new trainer.run_dir (the old checkpoint stays where it is)"
-
-
-def checkpoint_root(run_dir: str) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def step_of(path: Path | str) -> int:
-    return int(str(path).rstrip("/").rsplit("/", 1)[-1][len(PREFIX) :])
-
-
-def check_writable(run_dir: str) -> None:
-    """Fail before training starts, not at the first save, and create nothing: a probe file is written
-    and removed in run_dir/checkpoints, or in the nearest of its parents that exists (`make_root` creates
-    the directories once every check has passed, so a refused run leaves no empty run_dir behind)."""
-    root = checkpoint_root(run_dir)
-    try:
-        there = root
-        while not there.exists() and there.parent != there:
-            there = there.parent
-        if not there.is_dir():  # a file where a directory would be created
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        fd, probe = tempfile.mkstemp(prefix=".probe", dir=there)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise _unwritable(root, exc) from None
-
-
-def make_root(run_dir: str) -> None:
-    """Create run_dir/checkpoints (and run_dir): once the run's checks have passed."""
-    root = checkpoint_root(run_dir)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise _unwritable(root, exc) from None
-
-
-def _unwritable(root: Path, exc: OSError) -> CheckpointError:
-    return CheckpointError(
-        f"cannot write checkpoints to {root} ({exc.strerror or exc}): set trainer.run_dir to a writable "
-        f"directory (a local disk or a mounted volume)"
-    )
-
-
-def list_checkpoints(run_dir: str) -> list[Path]:
-    """Every finished checkpoint directly under run_dir/checkpoints, lowest step first (all runs)."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    done = [
-        p
-        for p in root.iterdir()
-        if p.is_dir()
-        and p.name.startswith(PREFIX)
-        and p.name[len(PREFIX) :].isdigit()
-        and (p / "trainer.json").exists()
-    ]
-    return sorted(done, key=step_of)
-
-
-# ----------------------------------------------------------------------------------------------
-# Runs and timelines
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """The run id a run saves its checkpoints under, and the checkpoint it branched from (None: it started
-    fresh, or continues its own latest checkpoint)."""
-
-    run_id: str
-    parent: dict | None = None
-    """{"run_id": ..., "step": ...} of the checkpoint this timeline started from."""
-
-    def to_json(self) -> dict:
-        return {"run_id": self.run_id, "from": self.parent}
-
-
-_CURRENT: dict[str, Timeline] = {}
-"""This process's timeline per run_dir (resolved): set by the run's start (begin_timeline) or its first
-save, and what `latest` follows between saves (a restart after a node loss)."""
-
-
-def _key(run_dir: str) -> str:
-    return str(Path(run_dir).resolve())
-
-
-def new_run_id() -> str:
-    return secrets.token_hex(6)
-
-
-def current_timeline(run_dir: str) -> Timeline | None:
-    """The timeline this run_dir's run saves under: this process's, else run_dir/timeline.json's."""
-    known = _CURRENT.get(_key(run_dir))
-    if known is not None:
-        return known
-    try:
-        data = json.loads((Path(run_dir) / TIMELINE).read_text())
-        parent = data.get("from")
-        if not isinstance(data.get("run_id"), str) or not (parent is None or isinstance(parent, dict)):
-            return None
-        return Timeline(data["run_id"], parent)
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def begin_timeline(run_dir: str, resume_from: Path | None, continuing: bool) -> Timeline:
-    """Decide the run id this run saves under (nothing is written yet): a fresh start gets a new one;
-    resume=auto (`continuing`) keeps the one of the checkpoint it continues; a checkpoint chosen by path
-    starts a new timeline branched from it, so the checkpoints after it are never pruned by this run."""
-    timeline = Timeline(new_run_id())
-    if resume_from is not None:
-        saved = read_manifest(resume_from)
-        saved_id = saved.get("run_id")
-        here = current_timeline(run_dir)
-        branch_point = {"run_id": saved_id, "step": step_of(resume_from)}
-        if continuing and here is not None and (here.run_id == saved_id or here.parent == branch_point):
-            timeline = here  # this run_dir's own timeline, before or after its first save
-        elif continuing and isinstance(saved_id, str):
-            timeline = Timeline(saved_id, saved.get("from") if isinstance(saved.get("from"), dict) else None)
-        else:
-            timeline = Timeline(new_run_id(), branch_point)
-    _CURRENT[_key(run_dir)] = timeline
-    return timeline
-
-
-def forget(run_dir: str) -> None:
-    """Drop this process's timeline for `run_dir` (a new run starts: run_dir/timeline.json rules)."""
-    _CURRENT.pop(_key(run_dir), None)
-
-
-def write_timeline(run_dir: str) -> None:
-    """Record this process's timeline in run_dir/timeline.json (atomically), so that a later resume=auto
-    in another process follows it."""
-    timeline = _CURRENT.get(_key(run_dir))
-    if timeline is None:
-        return
-    path = Path(run_dir) / TIMELINE
-    text = json.dumps(timeline.to_json(), indent=1)
-    try:
-        if path.exists() and path.read_text() == text:
-            return
-        tmp = path.with_name(f".{TIMELINE}.tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise CheckpointError(
-            f"cannot write {path} ({exc.strerror or exc}): check the disk under trainer.run_dir"
-        ) from None
-
-
-def _own_timeline(run_dir: str) -> Timeline:
-    timeline = current_timeline(run_dir)
-    if timeline is None:
-        timeline = Timeline(new_run_id())
-    _CURRENT[_key(run_dir)] = timeline
-    return timeline
-
-
-def read_manifest(path: Path) -> dict:
-    """A checkpoint's manifest.json ({} when absent or unreadable: such a checkpoint belongs to no run)."""
-    try:
-        data = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-@dataclass(frozen=True)
-class Copy:
-    """One checkpoint (local or in a bucket) as the choice of what to resume sees it."""
-
-    where: str
-    step: int
-    run_id: str | None
-    parent_run: str | None
-    saved_at: float
-
-    @classmethod
-    def of(cls, where: str, manifest: dict) -> Copy:
-        run_id = manifest.get("run_id") if isinstance(manifest.get("run_id"), str) else None
-        parent = manifest.get("from")
-        parent_run = parent.get("run_id") if isinstance(parent, dict) else None
-        saved_at = manifest.get("saved_at")
-        return cls(
-            where, step_of(where), run_id, parent_run, float(saved_at) if isinstance(saved_at, int | float) else 0.0
-        )
-
-
-class AmbiguousResume(CheckpointError):
-    """Checkpoints of more than one run in one place, and nothing says which one this run continues."""
-
-
-def pick_resume(copies: list[Copy], current: Timeline | None, where: str, choose: Callable[[Copy], str]) -> Copy | None:
-    """What resume=auto continues among `copies`: the current timeline's newest (or the checkpoint it
-    branched from, before its first save). Without a current timeline: the newest of the only run there,
-    or of the newest branch of one run; checkpoints of unrelated runs are refused (AmbiguousResume names
-    each run's newest as `choose(copy)`)."""
-    if not copies:
-        return None
-    if current is not None:
-        own = [c for c in copies if c.run_id == current.run_id]
-        if own:
-            return max(own, key=lambda c: c.step)
-        parent = current.parent or {}
-        start = [c for c in copies if c.run_id == parent.get("run_id") and c.step == parent.get("step")]
-        return start[0] if start else None
-    runs: dict[str | None, list[Copy]] = {}
-    for c in copies:
-        runs.setdefault(c.run_id, []).append(c)
-    newest = {run: max(found, key=lambda c: c.step) for run, found in runs.items()}
-    if len(runs) == 1:
-        return next(iter(newest.values()))
-    roots = [run for run, c in newest.items() if c.parent_run is None or c.parent_run not in runs]
-    if None not in runs and len(roots) == 1:  # branches of one run: the branch saved last is the live one
-        return max(newest.values(), key=lambda c: c.saved_at)
-    listed = "; ".join(
-        f"run {run or 'without id (an older cloudrl)'}: {Path(c.where).name}"
-        for run, c in sorted(newest.items(), key=lambda kv: kv[1].step)
-    )
-    options = " or ".join(f"trainer.resume={choose(c)}" for c in sorted(newest.values(), key=lambda c: c.step))
-    raise AmbiguousResume(
-        f"{where} holds checkpoints of {len(runs)} different runs ({listed}), so trainer.resume=auto cannot "
-        f"tell which one this run continues: choose one with {options}, or {FRESH_START} (trainer.resume=never)"
-    )
-
-
-def latest(run_dir: str) -> Path | None:
-    """The checkpoint resume=auto and restarts continue from: the newest of this run_dir's current timeline
-    (not the highest step of any run: an abandoned branch is never picked)."""
-    found = list_checkpoints(run_dir)
-    copies = [Copy.of(str(p), read_manifest(p)) for p in found]
-    chosen = pick_resume(copies, current_timeline(run_dir), f"{checkpoint_root(run_dir)}", lambda c: c.where)
-    return Path(chosen.where) if chosen else None
-
-
-def own_checkpoints(run_dir: str, run_id: str) -> list[Path]:
-    return [p for p in list_checkpoints(run_dir) if read_manifest(p).get("run_id") == run_id]
-
+from .layout import (
+    ASIDE,
+    DCP_METADATA,
+    FORMAT,
+    FRESH_START,
+    MANIFEST,
+    NO_HASHES_FIX,
+    PREFIX,
+    RNG,
+    checkpoint_root,
+    read_manifest,
+)
+from .timeline import own_checkpoints, own_timeline, write_timeline
 
 # ----------------------------------------------------------------------------------------------
 # Saving
@@ -327,7 +77,7 @@ def save(
     newest `keep_last`."""
     root = checkpoint_root(run_dir)
     final = root / f"{PREFIX}{step:06d}"
-    timeline = _own_timeline(run_dir)
+    timeline = own_timeline(run_dir)
     clean_stale(root)
     _check_free_space(run_dir, timeline.run_id, final)
     tmp = root / f".{final.name}.tmp{os.getpid()}-{secrets.token_hex(4)}"
@@ -807,131 +557,6 @@ def _other_checkpoint(path: Path) -> str:
         f"resume from an earlier checkpoint (trainer.resume=<another {PREFIX}NNNNNN directory beside "
         f"{path.name}>), or start over with trainer.resume=never in a new trainer.run_dir"
     )
-
-
-# Settings that make a run another run: trainer.resume=auto refuses a checkpoint saved with other values.
-SAME_RUN_KEYS = ("algorithm.name", "model.path", "critic.model_path", "data.train_files", "reward.function")
-
-
-def check_same_run(ckpt: Checkpoint, cfg) -> None:
-    """resume=auto continues only the same run: refuse a checkpoint saved with other models, data, reward
-    or algorithm (another preset writing into the same run_dir or bucket)."""
-    for key in SAME_RUN_KEYS:
-        section, name = key.split(".")
-        saved = ckpt.saved_config.get(section, {})
-        if not isinstance(saved, dict) or name not in saved:
-            continue
-        now = getattr(getattr(cfg, section), name)
-        if saved[name] != now:
-            raise CheckpointError(
-                f"trainer.resume=auto found {ckpt.path}, saved by a run with {key}={saved[name]!r}, but this run "
-                f"sets {key}={now!r}: resume=auto continues only the same run: give this run a trainer.run_dir "
-                f"(and trainer.checkpoint_uri) of its own, or continue that checkpoint on purpose with "
-                f"trainer.resume={ckpt.path}"
-            )
-
-
-def check_matches(ckpt: Checkpoint, cfg, shapes: dict[str, dict[str, tuple]]) -> None:
-    """Refuse a checkpoint of another algorithm or other models. `shapes[role]` is the parameter shapes
-    of the model this run loads for that role (`expected_shapes`)."""
-    check_algorithm(ckpt, cfg)
-    check_shapes(ckpt, cfg, shapes)
-
-
-def check_algorithm(ckpt: Checkpoint, cfg) -> None:
-    """Refuse a checkpoint saved by another algorithm, or without the critic this run trains: told from
-    its files alone, so the job checks it before it joins the cluster."""
-    saved = ckpt.saved_config.get("algorithm")
-    saved_alg = saved.get("name") if isinstance(saved, dict) else None
-    alg = cfg.algorithm.name
-    if saved_alg and saved_alg != alg:
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} was saved by an algorithm.name={saved_alg} run and this "
-            f"run sets algorithm.name={alg}: resume it with algorithm.name={saved_alg}, or "
-            f"{FRESH_START} (trainer.resume=never)"
-        )
-    if cfg.uses_critic and not ckpt.has("critic"):
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} has no critic.pt (it was saved without a critic) but "
-            f"algorithm.name={alg} trains one: resume it with a critic-less algorithm, or "
-            f"{FRESH_START} (trainer.resume=never)"
-        )
-
-
-def check_shapes(ckpt: Checkpoint, cfg, shapes: dict[str, dict[str, tuple]]) -> None:
-    """Refuse a checkpoint of other models: `shapes[role]` is the parameter shapes of the model this run
-    loads for that role (`expected_shapes`, which needs the model's config)."""
-    for role, expected in shapes.items():
-        if role in ckpt.shapes:
-            diff = shape_difference(ckpt.shapes[role], expected)
-            if diff:
-                source = (
-                    f"critic.model_path={cfg.critic.model_path}"
-                    if role == "critic" and cfg.critic.model_path
-                    else f"model.path={cfg.model.path}"
-                )
-                where = ckpt.sharded.get(role, ckpt.path / f"{role}.pt")
-                raise CheckpointError(
-                    f"checkpoint {where} does not fit the {role} model of "
-                    f"{source}: {diff} (another model size?): resume with the model it was "
-                    f"trained from, or {FRESH_START} (trainer.resume=never)"
-                )
-
-
-def check_unfinished(ckpt: Checkpoint, total_steps: int) -> None:
-    """A checkpoint at or past trainer.total_steps has nothing left to train: resuming it would only
-    rewrite the run's config.yaml and summary."""
-    step = ckpt.state.get("step", 0)
-    if isinstance(step, int) and step >= total_steps:
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} is at step {step} and trainer.total_steps={total_steps}: that run is "
-            f"finished: raise trainer.total_steps to train it further, or {FRESH_START} for a new run"
-        )
-
-
-def shape_difference(saved: dict[str, tuple], expected: dict[str, tuple]) -> str | None:
-    """The first difference between two {parameter name: shape} maps, in words; None when they agree."""
-    missing = [k for k in expected if k not in saved]
-    extra = [k for k in saved if k not in expected]
-    differ = [k for k in expected if k in saved and tuple(saved[k]) != tuple(expected[k])]
-    if differ:
-        k = differ[0]
-        more = f" ({len(differ) - 1} more tensors differ)" if len(differ) > 1 else ""
-        return f"{k} is {list(saved[k])} in the checkpoint and {list(expected[k])} in the model{more}"
-    if missing or extra:
-        first = f"the checkpoint lacks {missing[0]}" if missing else f"the model has no {extra[0]}"
-        return f"{first} ({len(missing)} missing, {len(extra)} unexpected tensors)"
-    return None
-
-
-def expected_shapes(model_path: str, role: str, trust_remote_code: bool = False) -> dict[str, tuple] | None:
-    """Parameter shapes of the model a role loads, built on the meta device (no weights read); None
-    when its config cannot be read: the role's workers then report that, naming their node."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-
-    cls = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
-    extra = {"num_labels": 1} if role == "critic" else {}
-    try:
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code, **extra)
-        with torch.device("meta"):
-            model = cls.from_config(config, trust_remote_code=trust_remote_code)
-    except Exception:
-        return None
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def resolve_resume(run_dir: str, resume: str) -> Path | None:
-    if resume == "never":
-        return None
-    if resume == "auto":
-        return latest(run_dir)
-    path = Path(resume)
-    if not (path / "trainer.json").exists():
-        raise CheckpointError(
-            f"trainer.resume={resume!r} is not a checkpoint directory (no trainer.json): "
-            f"use auto, never, or a path like {checkpoint_root(run_dir)}/step_000010"
-        )
-    return path
 
 
 def rng_state() -> dict:

@@ -5,7 +5,7 @@ directory) and one where checkpoints cannot be written, creating nothing, and `r
 that holds another run's files which this run does not continue. The run's own config.yaml and
 placement.json are written by `record_start` only once every role has started, so a failed start
 leaves the directory as it was; so is `timeline.json`, the run id this run saves its checkpoints under
-(checkpoint.py decides it before the roles start). Checkpoints themselves are checkpoint.py's.
+(timeline.py decides it before the roles start). Checkpoints themselves are checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -15,14 +15,8 @@ import os
 from pathlib import Path
 
 from ..errors import RunDirError
-from .checkpoint import (
-    FRESH_START,
-    check_writable,
-    checkpoint_root,
-    list_checkpoints,
-    resolve_resume,
-    write_timeline,
-)
+from .layout import FRESH_START, check_writable, checkpoint_root, list_checkpoints
+from .timeline import resolve_resume, write_timeline
 
 # What a run writes into run_dir besides checkpoints: their presence means another run was here.
 RUN_FILES = ("config.yaml", "placement.json", "metrics.jsonl", "summary.json", "hf_model", "tensorboard")
@@ -40,7 +34,7 @@ def under_runs_dir(run_dir: str) -> str:
 
 def check_run_dir(run_dir: str) -> None:
     """What a training run needs of run_dir before anything else, without creating it: not empty (the
-    current directory), and checkpoints can be written there (checkpoint.check_writable)."""
+    current directory), and checkpoints can be written there (layout.check_writable)."""
     _refuse_empty(run_dir)
     check_writable(run_dir)
 

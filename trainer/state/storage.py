@@ -31,8 +31,8 @@ import shutil
 from pathlib import Path
 
 from ..errors import CheckpointError
-from . import checkpoint
-from .checkpoint import ASIDE, MANIFEST, PREFIX, checkpoint_root
+from . import checkpoint, layout, timeline
+from .layout import ASIDE, MANIFEST, PREFIX, checkpoint_root
 
 COMPLETE = "COMPLETE"
 
@@ -67,7 +67,7 @@ def _untrusted(where: str, problem: str) -> CheckpointError:
     return CheckpointError(
         f"checkpoint copy {where} {problem}: refused, nothing of it was read; someone other than this run "
         f"writes to trainer.checkpoint_uri: make it writable by this run only and delete that copy, or "
-        f"{checkpoint.FRESH_START} with a trainer.checkpoint_uri of its own (trainer.resume=never)"
+        f"{layout.FRESH_START} with a trainer.checkpoint_uri of its own (trainer.resume=never)"
     )
 
 
@@ -93,7 +93,7 @@ def remote_steps(fs, root: str) -> list[str]:
         and p.rsplit("/", 1)[-1][len(PREFIX) :].isdigit()
         and fs.exists(f"{p}/{COMPLETE}")
     ]
-    return sorted(steps, key=checkpoint.step_of)
+    return sorted(steps, key=layout.step_of)
 
 
 def remote_manifest(fs, copy: str) -> dict:
@@ -105,8 +105,8 @@ def remote_manifest(fs, copy: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def remote_copies(fs, root: str) -> list[checkpoint.Copy]:
-    return [checkpoint.Copy.of(p, remote_manifest(fs, p)) for p in remote_steps(fs, root)]
+def remote_copies(fs, root: str) -> list[timeline.Copy]:
+    return [timeline.Copy.of(p, remote_manifest(fs, p)) for p in remote_steps(fs, root)]
 
 
 def upload(step_dir: Path, uri: str, keep_last: int) -> None:
@@ -114,7 +114,7 @@ def upload(step_dir: Path, uri: str, keep_last: int) -> None:
     copies (other runs' copies are never pruned)."""
     fs, root = _fs(uri)
     target = f"{root}/{step_dir.name}"
-    manifest = checkpoint.read_manifest(step_dir)
+    manifest = layout.read_manifest(step_dir)
     run_id = manifest.get("run_id")
     if not run_id or not step_dir.is_dir():
         raise CheckpointError(
@@ -161,7 +161,7 @@ def fetch_checkpoint(cfg) -> None:
     uri = cfg.trainer.checkpoint_uri
     resume = cfg.trainer.resume
     run_dir = under_runs_dir(cfg.trainer.run_dir)
-    checkpoint.forget(run_dir)
+    timeline.forget(run_dir)
     if uri:
         check(uri)
     if "://" in resume:
@@ -199,14 +199,14 @@ def fetch_newest(uri: str, run_dir: str) -> Path | None:
         copies = remote_copies(fs, root)
     except Exception as exc:
         raise _failed(uri, "listing", exc) from None
-    current = checkpoint.current_timeline(run_dir)
-    chosen = checkpoint.pick_resume(copies, current, f"trainer.checkpoint_uri={uri}", lambda c: _url(fs, c.where))
+    current = timeline.current_timeline(run_dir)
+    chosen = timeline.pick_resume(copies, current, f"trainer.checkpoint_uri={uri}", lambda c: _url(fs, c.where))
     if chosen is None:
         return None
     local = [
-        checkpoint.step_of(p)
-        for p in checkpoint.list_checkpoints(run_dir)
-        if checkpoint.read_manifest(p).get("run_id") == chosen.run_id
+        layout.step_of(p)
+        for p in layout.list_checkpoints(run_dir)
+        if layout.read_manifest(p).get("run_id") == chosen.run_id
     ]
     if local and max(local) >= chosen.step:
         return None
@@ -272,7 +272,7 @@ def _download(fs, remote: str, uri: str, run_dir: str) -> Path:
         if not isinstance(files, dict) or not all(isinstance(e, dict) and "sha256" in e for e in files.values()):
             raise CheckpointError(
                 f"checkpoint copy {where} has no content hashes in its {MANIFEST} (saved by an older cloudrl, "
-                f"or not by cloudrl), so it cannot be checked: {checkpoint.NO_HASHES_FIX}"
+                f"or not by cloudrl), so it cannot be checked: {layout.NO_HASHES_FIX}"
             )
         rels = {checkpoint.check_relative(n, f"checkpoint copy {where}'s {MANIFEST}").as_posix() for n in files}
         unlisted = sorted({key[len(remote) + 1 :] for key in listed} - rels - {MANIFEST, COMPLETE})
@@ -289,10 +289,10 @@ def _download(fs, remote: str, uri: str, run_dir: str) -> Path:
         checkpoint.verify(tmp)
         checkpoint.fsync_tree(tmp)
         if final.exists():
-            if checkpoint.read_manifest(final) == manifest:
+            if layout.read_manifest(final) == manifest:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return final
-            checkpoint.move_aside(final, checkpoint.read_manifest(final).get("run_id"))
+            checkpoint.move_aside(final, layout.read_manifest(final).get("run_id"))
         os.replace(tmp, final)
     except CheckpointError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
