@@ -152,9 +152,14 @@ class RolloutConfig:
     (a larger tensor goes alone). SGLang allocates every receive buffer of a call at once on each engine GPU,
     so one call for a whole 7B model would need ~15 GB more per GPU."""
     logprob_correction: bool = False
-    """Reweight the policy loss with truncated importance weights (trainer vs engine log-probs)."""
+    """Reweight the policy loss with importance weights of the trainer's log-probs over the engine's."""
+    logprob_correction_mode: Literal["token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mis"] = "token_tis"
+    """Which weights (algo/ppo_math.py `rollout_correction`): truncated per token (token_tis) or per sequence
+    (seq_tis), or 0/1 masks that drop a token (token_mis), a sequence by its ratio (seq_mis) or by the
+    geometric mean of its tokens' ratios (geo_mis) outside [1/cap, cap]."""
     logprob_correction_cap: float = 2.0
-    """Upper bound of those importance weights."""
+    """Upper bound of those weights (truncated modes), or of the ratios kept (masked modes, the lower bound
+    its reciprocal; geo_mis compares a mean per token: a bound near 1, such as 1.001)."""
     policy_lag: int = 0
     """1: the engines generate the next step's rollouts (with the weights before this step's update)
     while this step trains, and the lag is corrected with the importance weights above; 0: in turn."""

@@ -497,23 +497,29 @@ class Accumulator:
         self.peaks: dict[str, float] = {}
         self.pending: list[tuple[str, object, object]] = []
         """(name, value, weight) in the order added, resolved by `result`."""
+        self.pending_peaks: list[tuple[str, object]] = []
 
     def add(self, name: str, value, weight) -> None:
         """Count `value` (a float or a 0-dim tensor) towards `name`'s mean with `weight` (likewise)."""
         self.pending.append((name, value, weight))
 
-    def peak(self, name: str, value: float) -> None:
-        """A statistic reported as its largest value (over calls and over ranks), not as a mean."""
-        self.peaks[name] = max(self.peaks.get(name, float(value)), float(value))
+    def peak(self, name: str, value) -> None:
+        """A statistic reported as its largest value (over calls and over ranks), not as a mean; a float or a
+        0-dim tensor, read back with the rest by `result`."""
+        self.pending_peaks.append((name, value))
 
     def result(self) -> dict:
         """{"sums", "weights", "peaks"} as python floats (the device is waited for here, once)."""
-        resolved = _read_back([x for _, value, weight in self.pending for x in (value, weight)])
+        flat = [x for _, value, weight in self.pending for x in (value, weight)]
+        resolved = _read_back(flat + [value for _, value in self.pending_peaks])
         for i, (name, _, _) in enumerate(self.pending):
             value, weight = resolved[2 * i], resolved[2 * i + 1]
             self.sums[name] = self.sums.get(name, 0.0) + value * weight
             self.weights[name] = self.weights.get(name, 0.0) + weight
+        for (name, _), value in zip(self.pending_peaks, resolved[len(flat) :]):
+            self.peaks[name] = max(self.peaks.get(name, value), value)
         self.pending = []
+        self.pending_peaks = []
         return {"sums": self.sums, "weights": self.weights, "peaks": self.peaks}
 
 

@@ -1,7 +1,9 @@
 """The reasoning-RL objectives of ppo_math against plain Python loops over b and t: loss aggregation modes,
 GSPO, CISPO, DAPO's overlong penalty and truncation mask; and GSPO, CISPO and the aggregation modes against
 an independent re-statement of verl's formulas (verl/trainer/ppo/core_algos.py: agg_loss,
-compute_policy_loss_gspo, compute_policy_loss_cispo).
+compute_policy_loss_gspo, compute_policy_loss_cispo; verl/trainer/ppo/rollout_corr_helper.py:
+compute_rollout_correction_weights, compute_rollout_rejection_mask, as of verl's rollout correction of
+November 2025).
 
 Batches hold an empty and a full-length response and garbage in their padding, as in test_ppo_math.py.
 """
@@ -288,6 +290,63 @@ def test_cispo_matches_verl(seed, mode):
     theirs = verl_cispo(old, logp, adv, mask, 0.2, 0.28, mode)
     assert_close(ours, theirs, tol=1e-6)
     assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0], tol=1e-6)
+
+
+def verl_masked_mean(values, mask, axis=None):
+    return (values * mask).sum(axis) / (mask.sum(axis) + 1e-8)
+
+
+def verl_is_weights(log_ratio, response_mask, level, threshold):
+    """verl's truncated IS weights ("token" or "sequence"), without batch normalisation."""
+    if level == "token":
+        weights = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    else:
+        total = (log_ratio * response_mask).sum(-1, keepdim=True)
+        weights = torch.exp(total.clamp(-20.0, 20.0)).expand_as(log_ratio)
+    return (weights * response_mask).clamp(max=threshold)
+
+
+def verl_rejection_mask(log_ratio, response_mask, level, threshold):
+    """verl's rejection sampling ("token", "sequence" or "geometric"), the lower bound 1/threshold: the
+    response mask with the rejected tokens at 0."""
+    if level == "token":
+        weights = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    elif level == "sequence":
+        total = (log_ratio * response_mask).sum(-1, keepdim=True)
+        weights = torch.exp(total.clamp(-20.0, 20.0)).expand_as(log_ratio)
+    else:
+        mean = verl_masked_mean(log_ratio, response_mask, -1).unsqueeze(-1)
+        weights = torch.exp(mean.clamp(-20.0, 20.0)).expand_as(log_ratio)
+    keep = ((weights >= 1.0 / threshold) & (weights <= threshold)).float()
+    return response_mask * keep
+
+
+VERL_CORRECTIONS = {
+    "token_tis": ("is", "token"),
+    "seq_tis": ("is", "sequence"),
+    "token_mis": ("rs", "token"),
+    "seq_mis": ("rs", "sequence"),
+    "geo_mis": ("rs", "geometric"),
+}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", pm.ROLLOUT_CORRECTIONS)
+def test_rollout_correction_matches_verl(seed, mode):
+    """Each mode's weights equal verl's IS weights (truncated modes) or its rejection mask (masked modes),
+    where verl drops rejected tokens from the response mask and cloudrl gives them weight 0."""
+    mask, trainer, engine, _ = _clean_inputs(seed)
+    trainer = trainer.detach() * 3  # spread the ratios so that each mode keeps and drops some
+    cap = 1.02 if mode == "geo_mis" else 1.5
+    ours, stats = pm.rollout_correction(trainer, engine, mask, mode, cap)
+    kind, level = VERL_CORRECTIONS[mode]
+    log_ratio = trainer - engine
+    if kind == "is":
+        theirs = verl_is_weights(log_ratio, mask, level, cap)
+    else:
+        theirs = verl_rejection_mask(log_ratio, mask, level, cap)
+    assert_close(ours, theirs, tol=1e-6)
+    assert 0 < float(stats["is_weight_capped"]) < 1
 
 
 # ---------------------------------------------------------------------------------------------

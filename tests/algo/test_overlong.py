@@ -1,5 +1,6 @@
-"""Overlong handling as a step applies it: the batch's truncation flag from the engines' finish reasons, DAPO's
-soft penalty on the scores the advantages see, and truncated responses left out of the loss mask."""
+"""What a step's advantages apply (compute_advantages): the batch's truncation flag from the engines' finish
+reasons, DAPO's soft penalty on the scores the advantages see, truncated responses left out of the loss mask,
+and the importance weights of the configured rollout correction with the engine-trainer gap metrics."""
 
 import pytest
 import torch
@@ -58,3 +59,22 @@ def test_mask_truncated_leaves_cut_responses_out_of_the_loss():
     assert batch["loss_mask"].tolist() == [mask[0].tolist(), mask[1].tolist(), mask[2].tolist(), [0.0] * 4]
     torch.testing.assert_close(batch["advantages"], kept["advantages"])  # the group statistics keep every sample
     assert metrics["actor/truncated_masked"] == 0.25
+
+
+@pytest.mark.parametrize("mode", ["token_tis", "seq_mis"])
+def test_a_steps_importance_weights_follow_the_configured_correction(mode):
+    """The driver's part of a lagging step: the configured correction's weights and the gap metrics."""
+    batch = _batch()
+    mask = batch["response_mask"]
+    g = torch.Generator().manual_seed(0)
+    batch["engine_logprobs"] = torch.where(mask.bool(), -torch.rand(mask.shape, generator=g), 0)
+    batch["old_logprobs"] = torch.where(mask.bool(), -torch.rand(mask.shape, generator=g), 0)
+    cfg = _cfg("rollout.logprob_correction=true", f"rollout.logprob_correction_mode={mode}")
+    metrics = compute_advantages(cfg, batch, torch.tensor([1.0, 0.0, 1.0, 0.0]), 0.0)
+    want, _ = pm.rollout_correction(batch["old_logprobs"], batch["engine_logprobs"], mask, mode, 2.0)
+    torch.testing.assert_close(batch["is_weights"], want)
+    diff = (batch["old_logprobs"] - batch["engine_logprobs"]).abs()[mask.bool()]
+    assert metrics["rollout/logprob_diff_max"] == pytest.approx(float(diff.max()))
+    assert metrics["rollout/logprob_gap_k3"] > 0
+    with pytest.raises(Exception, match="logprob_correction_mode"):
+        _cfg("rollout.logprob_correction_mode=sequence")

@@ -338,36 +338,79 @@ def test_reinforce_pp_baseline_advantages(seed):
 # ---------------------------------------------------------------------------------------------
 
 
-def naive_importance_weights(logp, sampler, lengths, cap):
+def naive_rollout_correction(logp, sampler, lengths, mode, cap):
+    """Each sequence's weights by hand: the mode's ratio (per token, of the sequence, or its geometric
+    mean), truncated or kept within [1/cap, cap]; the mean ratio and the fraction of tokens changed."""
     out = [[0.0] * logp.shape[1] for _ in lengths]
-    ratios = []
+    ratios, changed = [], []
     for b, n in enumerate(lengths):
+        logs = [float(logp[b, t]) - float(sampler[b, t]) for t in range(n)]
         for t in range(n):
-            ratio = math.exp(float(logp[b, t]) - float(sampler[b, t]))
-            out[b][t] = min(ratio, cap)
+            if mode.startswith("token"):
+                level = logs[t]
+            elif mode.startswith("seq"):
+                level = sum(logs)
+            else:
+                level = sum(logs) / n
+            ratio = math.exp(max(-20.0, min(20.0, level)))
+            if mode.endswith("tis"):
+                out[b][t] = min(ratio, cap)
+                changed.append(ratio > cap)
+            else:
+                keep = 1 / cap <= ratio <= cap
+                out[b][t] = 1.0 if keep else 0.0
+                changed.append(not keep)
             ratios.append(ratio)
-    capped = sum(r > cap for r in ratios) / len(ratios)
-    return out, statistics.fmean(ratios), capped
+    return out, statistics.fmean(ratios), statistics.fmean(changed)
 
 
+@pytest.mark.parametrize("mode", pm.ROLLOUT_CORRECTIONS)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_truncated_importance_weights(seed):
+def test_rollout_correction(seed, mode):
     lengths, mask, g = make_batch(seed, B=16, T=9)
-    logp = rand(g, mask, 0.5)
-    sampler = torch.where(mask.bool(), rand(g, mask, 0.5), -GARBAGE)  # padding: exp(2e6) = inf
-    weights, stats = pm.truncated_importance_weights(logp, sampler, mask, cap=1.5)
-    exp_weights, exp_mean, exp_capped = naive_importance_weights(logp, sampler, lengths, 1.5)
+    spread = 0.5 if mode.startswith("token") else 0.15  # a sequence's sum spreads as sqrt(T)
+    logp = rand(g, mask, spread)
+    sampler = torch.where(mask.bool(), rand(g, mask, spread), -GARBAGE)  # padding: exp(2e6) = inf
+    cap = 1.1 if mode == "geo_mis" else 1.5
+    weights, stats = pm.rollout_correction(logp, sampler, mask, mode, cap)
+    exp_weights, exp_mean, exp_changed = naive_rollout_correction(logp, sampler, lengths, mode, cap)
     assert_close(weights, exp_weights)
-    assert 0 < stats["is_weight_capped"] < 1
-    assert stats["is_weight_capped"] == pytest.approx(exp_capped)
+    assert 0 < stats["is_weight_capped"] < 1, "the batch should hold both kinds of tokens"
+    assert stats["is_weight_capped"] == pytest.approx(exp_changed)
     assert stats["is_weight_mean"] == pytest.approx(exp_mean)
     assert all(torch.is_tensor(v) and v.dim() == 0 and not v.requires_grad for v in stats.values())  # no host sync
 
 
-def test_importance_weights_of_one_policy_are_one():
+def test_an_unknown_rollout_correction_is_refused():
     lengths, mask, g = make_batch(0)
     logp = rand(g, mask)
-    weights, stats = pm.truncated_importance_weights(logp, logp.clone(), mask, cap=2.0)
+    with pytest.raises(ValueError, match="unknown rollout correction 'seq'"):
+        pm.rollout_correction(logp, logp, mask, "seq")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_logprob_gap(seed):
+    lengths, mask, g = make_batch(seed)
+    logp = rand(g, mask, 0.3)
+    sampler = torch.where(mask.bool(), rand(g, mask, 0.3), GARBAGE)
+    diffs = [float(logp[b, t]) - float(sampler[b, t]) for b, n in enumerate(lengths) for t in range(n)]
+    gap = pm.logprob_gap(logp, sampler, mask)
+    assert_close(gap["logprob_diff"], statistics.fmean(abs(d) for d in diffs))
+    assert_close(gap["logprob_diff_max"], max(abs(d) for d in diffs))
+    assert_close(gap["logprob_gap_k3"], statistics.fmean(math.exp(d) - d - 1 for d in diffs))
+    same = pm.logprob_gap(logp, logp.clone(), mask)
+    assert {k: float(v) for k, v in same.items()} == {
+        "logprob_diff": 0.0,
+        "logprob_diff_max": 0.0,
+        "logprob_gap_k3": 0.0,
+    }
+
+
+@pytest.mark.parametrize("mode", pm.ROLLOUT_CORRECTIONS)
+def test_importance_weights_of_one_policy_are_one(mode):
+    lengths, mask, g = make_batch(0)
+    logp = rand(g, mask)
+    weights, stats = pm.rollout_correction(logp, logp.clone(), mask, mode, cap=2.0)
     assert_close(weights, mask)
     assert stats == {"is_weight_mean": 1.0, "is_weight_capped": 0.0}
 

@@ -44,12 +44,16 @@ def compute_advantages(cfg: Config, batch: Batch, scores: torch.Tensor, kl_coef:
         metrics["actor/kl_seq"] = float(kl.sum(-1).mean())
     in_reward = kl is not None and alg.kl_mode == "reward"
     if "old_logprobs" in batch:
-        metrics["rollout/logprob_diff"] = float(
-            pm.masked_mean((batch["old_logprobs"] - batch["engine_logprobs"]).abs(), gen)
-        )
-        if cfg.corrects_logprobs:  # the current policy over the sampling one, truncated
-            weights, stats = pm.truncated_importance_weights(
-                batch["old_logprobs"], batch["engine_logprobs"], gen, cfg.rollout.logprob_correction_cap
+        for name, value in pm.logprob_gap(batch["old_logprobs"], batch["engine_logprobs"], gen).items():
+            metrics[f"rollout/{name}"] = float(value)
+        if cfg.corrects_logprobs:  # the current policy over the sampling one (rollout.logprob_correction_mode)
+            r = cfg.rollout
+            weights, stats = pm.rollout_correction(
+                batch["old_logprobs"],
+                batch["engine_logprobs"],
+                gen,
+                r.logprob_correction_mode,
+                r.logprob_correction_cap,
             )
             batch["is_weights"] = weights
             metrics["rollout/is_weight_mean"] = float(stats["is_weight_mean"])

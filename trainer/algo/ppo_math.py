@@ -364,30 +364,77 @@ def reinforce_pp_baseline_advantages(scores, mask, group_size, eps=1e-6):
 # ----------------------------------------------------------------------------------------------
 
 
-def truncated_importance_weights(logprobs, sampler_logprobs, mask, cap):
-    """Truncated importance weights of the trained policy over the sampler.  [B, T] each -> (weights, stats).
+ROLLOUT_CORRECTIONS = ("token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mis")
+LOG_RATIO_BOUND = 20.0
+"""Log-ratios are clamped to +-this before exp (exp(20) ~ 4.9e8), so a sequence's product cannot overflow."""
 
-      ratio_t   = exp(logp_t - logp_sampler_t)
-      weights_t = min(ratio_t, cap)              0 on padding
-    The tokens were sampled by an engine whose log-probs differ from the trainer's (other kernels,
-    other precision, or weights from before the last update when rollouts lag): multiplying the
-    advantages by these weights corrects the policy gradient for that, and the cap bounds its
-    variance. Truncated importance sampling as in IMPALA (Espeholt et al. 2018), applied to LLM
-    rollout engines by Yao et al. 2025 ("Your Efficient RL Framework Secretly Brings You
-    Off-Policy RL Training").
+
+def rollout_correction(logprobs, sampler_logprobs, mask, mode="token_tis", cap=2.0):
+    """Importance weights of the trained policy over the sampler, by `mode`.  [B, T] each -> (weights, stats).
+
+    The tokens were sampled by an engine whose log-probs differ from the trainer's (other kernels, other
+    precision, or weights from before the last update when rollouts lag); the advantages are multiplied by
+    these weights to correct the policy gradient for that. With log_ratio_t = logp_t - logp_sampler_t:
+
+      token_tis  w_t = min(exp(log_ratio_t), cap)                truncated per token (IMPALA, Espeholt et
+                                                                 al. 2018; Yao et al. 2025 for LLM engines)
+      token_mis  w_t = 1 if 1/cap <= exp(log_ratio_t) <= cap     masked per token: a token outside is dropped
+      seq_tis    w_t = min(exp(sum_t log_ratio_t), cap)          the sequence's ratio, truncated, on each token
+      seq_mis    w_t = 1 if 1/cap <= exp(sum_t log_ratio_t) <= cap        masked per sequence
+      geo_mis    w_t = 1 if 1/cap <= exp(mean_t log_ratio_t) <= cap       masked per sequence by the geometric
+                                                                 mean of its ratios (cap near 1: 1.001)
+    (sums and means over the sequence's valid tokens; log-ratios and their sums clamped to
+    +-LOG_RATIO_BOUND before exp; 0 on padding.) A dropped token or sequence keeps its place in the loss's
+    count (its weight is 0), so the other samples' weights are what they would be without it.
 
     Returns (weights, stats); stats holds 0-dim tensors over the valid tokens:
-      is_weight_mean    mean of the untruncated ratio
-      is_weight_capped  fraction where ratio > cap (the truncation is the one taken)
+      is_weight_mean    mean of the untruncated ratio at the mode's level (token, sequence or geometric)
+      is_weight_capped  fraction of tokens whose weight was truncated (tis) or dropped (mis)
     """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {mode!r}: use one of {', '.join(ROLLOUT_CORRECTIONS)}")
     m = mask.bool()
-    ratio = torch.exp(logprobs - sampler_logprobs)
-    weights = torch.where(m, ratio.clamp(max=cap), 0)
+    log_ratio = torch.where(m, logprobs - sampler_logprobs, 0)
+    if mode.startswith("token"):
+        level = log_ratio
+    elif mode.startswith("seq"):
+        level = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    else:  # geo: the mean over the sequence's valid tokens
+        count = m.sum(-1, keepdim=True).clamp(min=1)
+        level = (log_ratio.sum(-1, keepdim=True) / count).expand_as(log_ratio)
+    ratio = torch.exp(level.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    if mode.endswith("tis"):
+        weights = ratio.clamp(max=cap)
+        dropped = ratio > cap
+    else:
+        kept = (ratio >= 1.0 / cap) & (ratio <= cap)
+        weights = kept.to(ratio.dtype)
+        dropped = ~kept
+    weights = torch.where(m, weights, 0)
     stats = {
         "is_weight_mean": masked_mean(ratio, m).detach(),
-        "is_weight_capped": masked_mean((ratio > cap).float(), m).detach(),
+        "is_weight_capped": masked_mean(dropped.float(), m).detach(),
     }
     return weights, stats
+
+
+def logprob_gap(logprobs, sampler_logprobs, mask):
+    """How far the sampler's log-probs are from the trainer's on the sampled tokens.  [B, T] each -> stats
+    of 0-dim tensors over the valid tokens:
+      logprob_diff      mean |logp - logp_sampler|
+      logprob_diff_max  max |logp - logp_sampler|
+      logprob_gap_k3    mean of rho - log rho - 1, rho = exp(logp - logp_sampler): the k3 estimate of
+                        KL(sampler || trainer), >= 0 and 0 only where they agree
+    A gap that is not ~0 on-policy means the engine computes another distribution than the trainer
+    (dtype, chat template, tokenizer, weights not loaded)."""
+    m = mask.bool()
+    diff = torch.where(m, logprobs - sampler_logprobs, 0)
+    bounded = diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return {
+        "logprob_diff": masked_mean(diff.abs(), m).detach(),
+        "logprob_diff_max": diff.abs().max().detach() if m.any() else diff.new_zeros(()),
+        "logprob_gap_k3": masked_mean(torch.exp(bounded) - bounded - 1, m).detach(),
+    }
 
 
 # ----------------------------------------------------------------------------------------------

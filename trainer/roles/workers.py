@@ -175,11 +175,14 @@ class PolicyWorker(TrainableWorker):
             else:  # on-policy: this forward pass is the sampling policy's (see Trainer.on_policy)
                 old = logprobs.detach()
                 if "engine_logprobs" in micro:
-                    diff = pm.masked_mean((old - micro["engine_logprobs"]).abs(), mask)
-                    acc.add("rollout/logprob_diff", diff.detach(), tokens)
+                    gap = pm.logprob_gap(old, micro["engine_logprobs"], mask)
+                    acc.peak("rollout/logprob_diff_max", gap.pop("logprob_diff_max"))
+                    for name, value in gap.items():
+                        acc.add(f"rollout/{name}", value, tokens)
                     if self.cfg.corrects_logprobs:  # the importance weights, from this same pass
-                        weights, is_stats = pm.truncated_importance_weights(
-                            old, micro["engine_logprobs"], mask, self.cfg.rollout.logprob_correction_cap
+                        r = self.cfg.rollout
+                        weights, is_stats = pm.rollout_correction(
+                            old, micro["engine_logprobs"], mask, r.logprob_correction_mode, r.logprob_correction_cap
                         )
                         micro["is_weights"] = weights
                         for name, value in is_stats.items():
