@@ -432,7 +432,7 @@ def logprob_gap(logprobs, sampler_logprobs, mask):
     bounded = diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     return {
         "logprob_diff": masked_mean(diff.abs(), m).detach(),
-        "logprob_diff_max": diff.abs().max().detach() if m.any() else diff.new_zeros(()),
+        "logprob_diff_max": diff.abs().max().detach() if diff.numel() else diff.new_zeros(()),  # 0 on padding
         "logprob_gap_k3": masked_mean(torch.exp(bounded) - bounded - 1, m).detach(),
     }
 
