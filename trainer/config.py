@@ -434,6 +434,15 @@ class TrainerConfig:
     """Ray cluster to join; empty = the one the job was submitted to, or a new local one."""
     worker_timeout_s: float = 600.0
     """Longest wait for a worker to start, join its process group or finish a weight sync (then stop with a line)."""
+    gap_check: Literal["warn", "fail", "off"] = "warn"
+    """On the first step of every start and restart, before anything trains: the trainer's log-probs of the
+    engines' samples against the engines' own. Above trainer.gap_check_max_k3 the engines compute another
+    distribution than the one trained (a dtype, tokenizer or chat template of their own, weights not
+    loaded): `warn` prints one line and trains on, `fail` stops the run with it. Skipped where sampling
+    truncates the distribution (rollout.top_p < 1, rollout.top_k > 0), whose log-probs differ by design."""
+    gap_check_max_k3: float = 0.01
+    """The largest engine-trainer gap the check accepts: the mean over sampled tokens of rho - log rho - 1,
+    rho = exp(trainer - engine) (`rollout/logprob_gap_k3`; float32 on CPU ~1e-12, bfloat16 on GPUs ~1e-4)."""
     hang_timeout_s: float = 600.0
     """Longest wait on the loop's calls to the workers (generation, rewards, log-probs, values, updates): the
     larger of this and 5x that phase's median so far. Past it, every stuck worker's Python stack is kept in

@@ -192,6 +192,7 @@ RANGES: dict[str, Range] = {
     "rollout.cpus_per_engine": NON_NEGATIVE,
     "rollout.gpu_memory_utilization": FRACTION,
     "rollout.policy_lag": Range(0, 1, hint="0 generates in turn with training, 1 keeps one batch in flight"),
+    "trainer.gap_check_max_k3": Range(0, low_open=True, hint="0 would refuse even identical log-probs"),
     "rollout.logprob_correction_cap": Range(
         1, hint="it caps importance weights; below 1 it would shrink even on-policy tokens"
     ),

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .algo.advantages import compute_advantages, kl_controller
+from .algo.advantages import compute_advantages, gap_problem, kl_controller
 from .algo.batch import Batch, build_batch, split_batch, update_shards
 from .algo.evaluation import length_metrics, sampled_metrics
 from .config import Config
+from .errors import EngineMismatch
 from .hangs import WATCH
 from .inputs.data import PromptLoader, PromptRecord
 from .metrics import MetricsLogger, Timer, format_eval_table, format_summary, print_sample
@@ -115,6 +116,8 @@ class Trainer:
         print(self.push_weights.describe(cfg), flush=True)
         self.env_failures = FailureReport()
         """rollout.environment's failures: the first of each kind printed, a batch that all failed stops the run."""
+        self.gap_checked = cfg.trainer.gap_check == "off" or cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0
+        """trainer.gap_check is done for this start (or not to be done: off, or sampling truncated)."""
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -290,14 +293,30 @@ class Trainer:
             what = f"step {self.global_step}: the {group.name}'s {method}"
             return torch.cat(WATCH.wait(f"{group.name} {method}", calls, [label for _, label, _ in sent], what))
 
+        checks_gap = not self.gap_checked and "engine_logprobs" in batch
         with timer("ref"):
-            if not self.on_policy():
+            if not self.on_policy() or checks_gap:
                 batch["old_logprobs"] = on_every_rank(roles.actor, "logprobs")
+            if checks_gap:
+                self.check_gap(batch)
             if cfg.uses_reference:  # the reference lives in the actor by default
                 batch["ref_logprobs"] = on_every_rank(roles.reference or roles.actor, "ref_logprobs")
         with timer("values"):
             if cfg.uses_critic:
                 batch["values"] = on_every_rank(roles.critic, "values")
+
+    def check_gap(self, batch: Batch) -> None:
+        """trainer.gap_check, once per start, on the first step's samples before anything trains: the
+        engines' log-probs against the trainer's (`gap_problem`); one line, or the run stops with it."""
+        self.gap_checked = True
+        problem = gap_problem(self.cfg, batch, self.global_step)
+        if self.on_policy():  # the update's own forward pass gives them, as on every other step
+            del batch["old_logprobs"]
+        if problem is None:
+            return
+        if self.cfg.trainer.gap_check == "fail":
+            raise EngineMismatch(f"{problem}; trainer.gap_check=warn trains on regardless")
+        print(f"warning: {problem}; trainer.gap_check=fail stops such a run", file=sys.stderr, flush=True)
 
     def update(self, batch: Batch, kl_coef: float) -> tuple[list, list]:
         """Send the actor's and the critic's updates (each rank its shard); returns their call refs. They

@@ -60,6 +60,10 @@ class CheckpointError(TrainerError, RuntimeError):
     """A checkpoint directory that cannot be written or read."""
 
 
+class EngineMismatch(TrainerError, RuntimeError):
+    """The engines sample another distribution than the trainer trains (trainer.gap_check=fail)."""
+
+
 class RewardError(DataError):
     """A reward function that raised or returned what the trainer cannot use, while training."""
 

@@ -2,10 +2,12 @@
 reasons, DAPO's soft penalty on the scores the advantages see, truncated responses left out of the loss mask,
 and the importance weights of the configured rollout correction with the engine-trainer gap metrics."""
 
+import math
+
 import pytest
 import torch
 from cloudrl.trainer.algo import ppo_math as pm
-from cloudrl.trainer.algo.advantages import compute_advantages
+from cloudrl.trainer.algo.advantages import compute_advantages, gap_problem
 from cloudrl.trainer.algo.batch import build_batch
 from cloudrl.trainer.config import load_config
 
@@ -78,3 +80,23 @@ def test_a_steps_importance_weights_follow_the_configured_correction(mode):
     assert metrics["rollout/logprob_gap_k3"] > 0
     with pytest.raises(Exception, match="logprob_correction_mode"):
         _cfg("rollout.logprob_correction_mode=sequence")
+
+
+def test_the_gap_check_passes_matching_log_probs_and_names_a_gap():
+    batch = _batch()
+    mask = batch["response_mask"]
+    g = torch.Generator().manual_seed(1)
+    batch["engine_logprobs"] = torch.where(mask.bool(), -torch.rand(mask.shape, generator=g), 0)
+    batch["old_logprobs"] = batch["engine_logprobs"] + torch.where(mask.bool(), 1e-4, 0)  # kernels' rounding
+    cfg = _cfg()
+    assert gap_problem(cfg, batch, 1) is None
+    batch["old_logprobs"] = batch["engine_logprobs"] - torch.where(mask.bool(), 0.7, 0)  # another distribution
+    problem = gap_problem(cfg, batch, 1)
+    k3 = math.exp(-0.7) + 0.7 - 1
+    assert problem == (
+        f"the engines' log-probs of step 1's samples are not the trainer's: k3 KL {k3:.3g} > "
+        "trainer.gap_check_max_k3=0.01 (mean |difference| 0.7, largest 0.7), so the engines sample another "
+        "distribution than the one trained: check that they run model.dtype=float32, this run's tokenizer and "
+        "chat template, and that they loaded this run's weights"
+    )
+    assert gap_problem(_cfg("trainer.gap_check_max_k3=0.5"), batch, 1) is None

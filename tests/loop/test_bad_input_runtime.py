@@ -431,6 +431,21 @@ def test_a_raising_reward_in_a_reward_worker_ends_the_run_in_one_line(tmp_path):
 
 
 @pytest.mark.ray
+def test_an_engine_trainer_gap_stops_the_run_at_step_1_before_anything_trains(ray_local, tmp_path):
+    """trainer.gap_check=fail on the first step's real samples: the HF engine's log-probs against the actor's
+    (float32 on CPU: equal to ~1e-12, so a limit far below that stands in for an engine that samples another
+    distribution). The run stops with the line before the update: no step is logged."""
+    extra = {"trainer.gap_check": "fail", "trainer.gap_check_max_k3": "1e-300", "model.sft_warmup_steps": "0"}
+    run_dir = tmp_path / "run"
+    result = run_trainer("--preset", "local", *tiny_overrides(run_dir, **extra), env={"RAY_ADDRESS": ray_local})
+    last = one_line_error(result)
+    assert last.startswith("error: the engines' log-probs of step 1's samples are not the trainer's: k3 KL ")
+    assert last.endswith("and that they loaded this run's weights; trainer.gap_check=warn trains on regardless")
+    logged = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    assert [json.loads(line)["step"] for line in logged] in ([], [0])  # at most the validation before RL
+
+
+@pytest.mark.ray
 def test_a_nan_reward_in_the_driver_ends_the_run_in_one_line(ray_local, tmp_path):
     overrides = tiny_overrides(
         tmp_path / "run", **{"reward.function": f"{_reward_file(tmp_path)}:nan_at_2", "reward.in_driver": "true"}

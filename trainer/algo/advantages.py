@@ -83,3 +83,22 @@ def compute_advantages(cfg: Config, batch: Batch, scores: torch.Tensor, kl_coef:
         batch["loss_mask"] = pm.truncation_mask(gen, batch["truncated"])
         metrics["actor/truncated_masked"] = float(batch["truncated"].float().mean())
     return metrics
+
+
+def gap_problem(cfg: Config, batch: Batch, step: int) -> str | None:
+    """trainer.gap_check's verdict on a step's samples (`old_logprobs`, the trainer's, against
+    `engine_logprobs`): None when the gap is within trainer.gap_check_max_k3, else the one line saying so."""
+    gap = pm.logprob_gap(
+        batch["old_logprobs"], batch["engine_logprobs"], batch.get("loss_mask", batch["response_mask"])
+    )
+    k3 = float(gap["logprob_gap_k3"])
+    limit = cfg.trainer.gap_check_max_k3
+    if k3 <= limit:
+        return None
+    return (
+        f"the engines' log-probs of step {step}'s samples are not the trainer's: k3 KL {k3:.3g} > "
+        f"trainer.gap_check_max_k3={limit:g} (mean |difference| {float(gap['logprob_diff']):.3g}, largest "
+        f"{float(gap['logprob_diff_max']):.3g}), so the engines sample another distribution than the one "
+        f"trained: check that they run model.dtype={cfg.model.dtype}, this run's tokenizer and chat template, "
+        f"and that they loaded this run's weights"
+    )

@@ -424,16 +424,17 @@ def logprob_gap(logprobs, sampler_logprobs, mask):
       logprob_diff      mean |logp - logp_sampler|
       logprob_diff_max  max |logp - logp_sampler|
       logprob_gap_k3    mean of rho - log rho - 1, rho = exp(logp - logp_sampler): the k3 estimate of
-                        KL(sampler || trainer), >= 0 and 0 only where they agree
+                        KL(sampler || trainer), >= 0 and 0 only where they agree (in float64: in
+                        float32 a gap of 1e-7 would round to 0)
     A gap that is not ~0 on-policy means the engine computes another distribution than the trainer
     (dtype, chat template, tokenizer, weights not loaded)."""
     m = mask.bool()
     diff = torch.where(m, logprobs - sampler_logprobs, 0)
-    bounded = diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    bounded = diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).double()  # float32 rounds gaps of 1e-7 to 0
     return {
         "logprob_diff": masked_mean(diff.abs(), m).detach(),
         "logprob_diff_max": diff.abs().max().detach() if diff.numel() else diff.new_zeros(()),  # 0 on padding
-        "logprob_gap_k3": masked_mean(torch.exp(bounded) - bounded - 1, m).detach(),
+        "logprob_gap_k3": masked_mean(torch.expm1(bounded) - bounded, m).detach(),
     }
 
 
