@@ -58,33 +58,25 @@ def tiny_straight_run(ray_local, tmp_path_factory):
     return train_tiny_straight_run(tmp_path_factory.mktemp("tiny-straight"))
 
 
-# Two pytest-xdist workers (README's test command: `-n 2 --dist loadgroup`): the tests that start a cluster, a
-# network namespace or a vLLM engine, or use the session's Ray instance, are grouped by test folder, and each
-# group runs on one worker, one test after the other (their module fixtures are shared, their CPU-bound
-# bring-ups do not pile up). xdist hands the groups out largest first, the next to whichever worker is free,
-# so both workers run cluster tests all through the run, and the tests that start none of these fill in.
-# Each worker has its own session fixtures (its own `ray_local`); the tests of `tiny_straight_run` share
-# tests/loop's group, so that run is trained once.
+# Two pytest-xdist workers (README's test command: `-n 2 --dist loadgroup`): every test that starts a cluster, a
+# network namespace or a vLLM engine, or uses the session's Ray instance, runs on one worker in one group, one
+# after the other as without xdist (their module and session fixtures are shared, their CPU-bound bring-ups do
+# not compete); the tests that start none of these run beside them on the other worker.
 CLUSTER_MARKERS = ("ray", "netns", "vllm")
 CLUSTER_FIXTURES = {"ray_local", "tiny_straight_run"}
 
 
-def cluster_group(item: pytest.Item) -> str | None:
-    """The xdist group of a test that starts a cluster (`cluster:<its folder>`), else None."""
-    fixtures = set(getattr(item, "fixturenames", ()))
-    marked = any(item.get_closest_marker(name) for name in CLUSTER_MARKERS)
-    if not (marked or CLUSTER_FIXTURES & fixtures):
-        return None
-    if "tiny_straight_run" in fixtures:
-        return "cluster:tests/loop"
-    return "cluster:" + item.nodeid.split("::", 1)[0].rsplit("/", 1)[0]
-
-
 def pytest_itemcollected(item: pytest.Item) -> None:
     # As each test is collected, so the group is there before xdist's collection hook reads it.
-    group = cluster_group(item)
-    if group:
-        item.add_marker(pytest.mark.xdist_group(group))
+    marked = any(item.get_closest_marker(name) for name in CLUSTER_MARKERS)
+    if marked or CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The bundle's simulated clusters go last (each module kept whole, the rest in collection order): their
+    # give-up tests bound how long a bring-up may take, and by then the other worker's tests are done.
+    items.sort(key=lambda item: item.nodeid.startswith("tests/bundle/"))
 
 
 # Where the time went: pyproject.toml's addopts print the 40 slowest test phases; this adds the total per test
