@@ -63,22 +63,8 @@ def start_worker_node(state: dict, name: str, cpus: int, env: dict | None = None
     from cloudrl.cli.node_processes import spawn
 
     root = Path(state["root"])
-    args = [
-        cluster._ray_executable(),
-        "start",
-        "--block",
-        "--disable-usage-stats",
-        "--node-ip-address",
-        "127.0.0.1",
-        f"--num-cpus={cpus}",
-        "--num-gpus=0",
-        f"--object-store-memory={200 * 1024 * 1024}",
-        f"--temp-dir={root}/{name}",
-        "--min-worker-port=0",
-        "--max-worker-port=0",
-        f"--address={state['gcs_address']}",
-        *extra,
-    ]
+    args = cluster.node_args(cluster._ray_executable(), f"{root}/{name}", cpus, object_store_mb=200, gpus=0)
+    args += [f"--address={state['gcs_address']}", *extra]
     return spawn(args, root / f"{name}.log", {**cluster._node_env(), **(env or {})})
 
 
