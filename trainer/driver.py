@@ -296,22 +296,22 @@ class Trainer:
         checks_gap = not self.gap_checked and "engine_logprobs" in batch
         with timer("ref"):
             if not self.on_policy() or checks_gap:
-                batch["old_logprobs"] = on_every_rank(roles.actor, "logprobs")
-            if checks_gap:
-                self.check_gap(batch)
+                old_logprobs = on_every_rank(roles.actor, "logprobs")
+                if checks_gap:
+                    self.check_gap(batch, old_logprobs)
+                if not self.on_policy():  # on-policy, the update's own forward pass gives them
+                    batch["old_logprobs"] = old_logprobs
             if cfg.uses_reference:  # the reference lives in the actor by default
                 batch["ref_logprobs"] = on_every_rank(roles.reference or roles.actor, "ref_logprobs")
         with timer("values"):
             if cfg.uses_critic:
                 batch["values"] = on_every_rank(roles.critic, "values")
 
-    def check_gap(self, batch: Batch) -> None:
+    def check_gap(self, batch: Batch, old_logprobs: torch.Tensor) -> None:
         """trainer.gap_check, once per start, on the first step's samples before anything trains: the
         engines' log-probs against the trainer's (`gap_problem`); one line, or the run stops with it."""
         self.gap_checked = True
-        problem = gap_problem(self.cfg, batch, self.global_step)
-        if self.on_policy():  # the update's own forward pass gives them, as on every other step
-            del batch["old_logprobs"]
+        problem = gap_problem(self.cfg, batch, old_logprobs, self.global_step)
         if problem is None:
             return
         if self.cfg.trainer.gap_check == "fail":

@@ -87,11 +87,11 @@ def test_the_gap_check_passes_matching_log_probs_and_names_a_gap():
     mask = batch["response_mask"]
     g = torch.Generator().manual_seed(1)
     batch["engine_logprobs"] = torch.where(mask.bool(), -torch.rand(mask.shape, generator=g), 0)
-    batch["old_logprobs"] = batch["engine_logprobs"] + torch.where(mask.bool(), 1e-4, 0)  # kernels' rounding
+    close = batch["engine_logprobs"] + torch.where(mask.bool(), 1e-4, 0)  # the kernels' rounding
     cfg = _cfg()
-    assert gap_problem(cfg, batch, 1) is None
-    batch["old_logprobs"] = batch["engine_logprobs"] - torch.where(mask.bool(), 0.7, 0)  # another distribution
-    problem = gap_problem(cfg, batch, 1)
+    assert gap_problem(cfg, batch, close, 1) is None
+    far = batch["engine_logprobs"] - torch.where(mask.bool(), 0.7, 0)  # another distribution
+    problem = gap_problem(cfg, batch, far, 1)
     k3 = math.exp(-0.7) + 0.7 - 1
     assert problem == (
         f"the engines' log-probs of step 1's samples are not the trainer's: k3 KL {k3:.3g} > "
@@ -99,4 +99,4 @@ def test_the_gap_check_passes_matching_log_probs_and_names_a_gap():
         "distribution than the one trained: check that they run model.dtype=float32, this run's tokenizer and "
         "chat template, and that they loaded this run's weights"
     )
-    assert gap_problem(_cfg("trainer.gap_check_max_k3=0.5"), batch, 1) is None
+    assert gap_problem(_cfg("trainer.gap_check_max_k3=0.5"), batch, far, 1) is None

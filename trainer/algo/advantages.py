@@ -85,12 +85,10 @@ def compute_advantages(cfg: Config, batch: Batch, scores: torch.Tensor, kl_coef:
     return metrics
 
 
-def gap_problem(cfg: Config, batch: Batch, step: int) -> str | None:
-    """trainer.gap_check's verdict on a step's samples (`old_logprobs`, the trainer's, against
+def gap_problem(cfg: Config, batch: Batch, trainer_logprobs: torch.Tensor, step: int) -> str | None:
+    """trainer.gap_check's verdict on a step's samples (the trainer's log-probs of them against the batch's
     `engine_logprobs`): None when the gap is within trainer.gap_check_max_k3, else the one line saying so."""
-    gap = pm.logprob_gap(
-        batch["old_logprobs"], batch["engine_logprobs"], batch.get("loss_mask", batch["response_mask"])
-    )
+    gap = pm.logprob_gap(trainer_logprobs, batch["engine_logprobs"], batch.get("loss_mask", batch["response_mask"]))
     k3 = float(gap["logprob_gap_k3"])
     limit = cfg.trainer.gap_check_max_k3
     if k3 <= limit:
