@@ -10,7 +10,8 @@ change (packing, the micro-batch size or token budget, gradient checkpointing) a
 warm-up update and `--repeats` timed ones on the same synthetic batch: prompts of `--prompt-len` tokens and
 responses of uniform random length up to `--response-len` (the ragged shape RL produces).
 
-Per variant the table gives: the update's seconds; of those, the optimizer step (`optimizer.step` and
+Per variant the table gives: the update's seconds; the warm-up update's (with `model.compile`'s compiled blocks,
+that is where the compilation goes); of the update's, the optimizer step (`optimizer.step` and
 `zero_grad`, timed between device synchronisations); the forward-only pass over the same batch (PPO's old
 log-probs); the host synchronisations the update makes (`torch.cuda.set_sync_debug_mode`); the worker's own
 peak memory; and the MFU as the trainer reports it (trainer/roles/flops.py: 6 x matmul parameters + attention,
@@ -144,6 +145,22 @@ def set_variant(worker, variant: dict) -> None:
     attention = variant.get("attention", "sdpa")
     m.attn_implementation = attention
     model.set_attn_implementation(attention)
+    set_compiled(worker, variant.get("compile", False))
+
+
+def set_compiled(worker, compiled: bool) -> None:
+    """model.compile on the live worker: its blocks compiled in place as the worker does at start, or back to
+    eager (Module.compile keeps the compiled call beside the module's own; dropping it restores eager)."""
+    from cloudrl.trainer.inputs.models import transformer_blocks
+    from cloudrl.trainer.roles.compile import compile_blocks
+
+    worker.cfg.model.compile = compiled
+    blocks = transformer_blocks(worker.model)
+    if compiled and not any(b._compiled_call_impl for b in blocks):
+        compile_blocks(worker.model, worker.device)
+    elif not compiled:
+        for block in blocks:
+            block._compiled_call_impl = None
 
 
 @contextlib.contextmanager
@@ -210,6 +227,7 @@ def _run_variant(worker, batch, variant, args, cuda: bool) -> dict:
     mean["syncs"] = timed[-1]["syncs"]
     mean["peak_gib"] = max(r["peak_gib"] for r in timed)
     mean["packing_gap"] = gap
+    mean["first_update_s"] = rows[0]["update_s"]  # the warm-up: with compiled blocks, the compilation too
     return mean
 
 
@@ -224,6 +242,18 @@ VARIANTS = [
     dict(name="packed, 8k tokens/micro", pack=True, micro=64, tokens=8192, checkpointing=False),
     dict(name="packed, 16k tokens/micro", pack=True, micro=64, tokens=16384, checkpointing=False),
     dict(name="padded 16 + checkpointing", pack=False, micro=16, tokens=0, checkpointing=True),
+    # model.compile: each transformer block compiled (trainer/roles/compile.py); the warm-up pays for compiling
+    dict(name="padded 16, compiled blocks", pack=False, micro=16, tokens=0, checkpointing=False, compile=True),
+    dict(name="padded 32, compiled blocks", pack=False, micro=32, tokens=0, checkpointing=False, compile=True),
+    dict(name="packed 8k, compiled blocks", pack=True, micro=64, tokens=8192, checkpointing=False, compile=True),
+    dict(name="padded 16 + checkpointing, compiled", pack=False, micro=16, tokens=0, checkpointing=True, compile=True),
+    # a token budget for padded micro-batches (rows x width): many short rows together, few long ones
+    dict(
+        name="padded, 16k-token budget, compiled", pack=False, micro=64, tokens=16384, checkpointing=False, compile=True
+    ),
+    dict(
+        name="padded, 24k-token budget, compiled", pack=False, micro=64, tokens=24576, checkpointing=False, compile=True
+    ),
 ]
 
 
@@ -370,7 +400,18 @@ def has_flash_attn() -> bool:
 
 def print_table(results: list[dict], cuda: bool) -> None:
     base = results[0].get("update_s")
-    head = ["variant", "update s", "optimizer s", "forward s", "syncs", "peak GiB", "tokens/s", "MFU", "vs row 1"]
+    head = [
+        "variant",
+        "update s",
+        "first s",
+        "optimizer s",
+        "forward s",
+        "syncs",
+        "peak GiB",
+        "tokens/s",
+        "MFU",
+        "vs row 1",
+    ]
     lines = [head]
     for r in results:
         if "error" in r:
@@ -380,6 +421,7 @@ def print_table(results: list[dict], cuda: bool) -> None:
             [
                 r["variant"],
                 f"{r['update_s']:.3f}",
+                f"{r['first_update_s']:.1f}",
                 f"{r['optimizer_s']:.3f}",
                 f"{r['forward_s']:.3f}",
                 str(r["syncs"]),

@@ -65,6 +65,10 @@ class ModelConfig:
     attn_implementation: AttnImplementation = "sdpa"
     """Attention kernel of the actor, critic and reference forward passes: sdpa (torch's own, CPU or GPU), eager
     (plain matmuls), flash_attention_2 (GPUs with the flash-attn package, model.dtype bfloat16 or float16)."""
+    compile: bool = False
+    """torch.compile each transformer block of the actor, critic and reference forward passes (Inductor: the
+    norms, activation and rotary fused into few kernels); the first updates pay for the compilation. Needs a
+    C++ compiler on CPU workers."""
     pack_sequences: bool = False
     """Run the actor, critic and reference forward passes on each micro-batch's sequences concatenated without
     padding (positions restart and attention stays within each sequence); pays off when lengths vary a lot."""

@@ -134,6 +134,15 @@ def disable_dropout(model):
     return model
 
 
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated transformer blocks (`model.model.layers` for most causal LMs and their value-head
+    twins), looked through peft's LoRA wrapper; empty for a model without such a list."""
+    if hasattr(type(model), "get_base_model"):  # LoRA: peft's wrapper around the transformers model
+        model = model.get_base_model()
+    layers = getattr(getattr(model, getattr(model, "base_model_prefix", "model"), model), "layers", None)
+    return list(layers) if layers is not None else []
+
+
 def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 

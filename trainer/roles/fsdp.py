@@ -25,13 +25,6 @@ import torch
 ModelKind = Literal["causal_lm", "value"]
 
 
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    if hasattr(type(model), "get_base_model"):  # LoRA: peft's wrapper around the transformers model
-        model = model.get_base_model()
-    layers = getattr(getattr(model, getattr(model, "base_model_prefix", "model"), model), "layers", None)
-    return list(layers) if layers is not None else []
-
-
 def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None, cpu_offload: bool = False) -> None:
     """Shard `model` in place over the default process group. `compute_dtype` None (or the parameters'
     own dtype) computes in the stored dtype; CPU offload keeps parameters and optimizer state on the host. The
@@ -39,13 +32,15 @@ def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None, cpu_o
     in the compute dtype and the float32 adapters are cast for compute."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    from ..inputs.models import transformer_blocks
+
     params = list(model.parameters())
     stored = next((p.dtype for p in params if p.requires_grad), params[0].dtype)
     param_dtype = compute_dtype if compute_dtype not in (None, stored) else None
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in _blocks(model):
+    for block in transformer_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
 

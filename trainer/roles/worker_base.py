@@ -279,18 +279,23 @@ class TrainableWorker(WorkerBase):
 
     def place(self, model: torch.nn.Module, compute_dtype: torch.dtype | None) -> None:
         """Put a model from `load_model` where it computes: on this worker's device, or sharded over the
-        role's ranks with its weights broadcast from rank 0 (a collective when sharded)."""
+        role's ranks with its weights broadcast from rank 0 (a collective when sharded); with model.compile,
+        its blocks compiled."""
         if not self.sharded:
             model.to(self.device)
-            return
-        from .fsdp import shard_from_rank0, shard_model
+        else:
+            from .fsdp import shard_from_rank0, shard_model
 
-        offload = getattr(self.cfg, self.role).cpu_offload
-        if not next(model.parameters()).is_meta:  # read whole here (a lone rank sharded after it loaded)
-            shard_model(model, compute_dtype, cpu_offload=offload)  # FSDP2 moves each shard where it lives
-            return
-        source = self._read_on_rank0.pop(id(model), None)
-        shard_from_rank0(model, source, compute_dtype, offload, self.device)
+            offload = getattr(self.cfg, self.role).cpu_offload
+            if not next(model.parameters()).is_meta:  # read whole here (a lone rank sharded after it loaded)
+                shard_model(model, compute_dtype, cpu_offload=offload)  # FSDP2 moves each shard where it lives
+            else:
+                source = self._read_on_rank0.pop(id(model), None)
+                shard_from_rank0(model, source, compute_dtype, offload, self.device)
+        if self.cfg.model.compile:
+            from .compile import compile_blocks
+
+            compile_blocks(model, self.device)
 
     def start_training(self, addr: str = "127.0.0.1", port: int = 0) -> None:
         rc = getattr(self.cfg, self.role)
@@ -348,6 +353,14 @@ class TrainableWorker(WorkerBase):
         if self.sharded or self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def eager_if_compiled(self):
+        """Run compiled blocks eagerly inside this context (model.compile; generation with a KV cache)."""
+        if not self.cfg.model.compile:
+            return contextlib.nullcontext()
+        from .compile import eager_blocks
+
+        return eager_blocks()
 
     def add_step_stats(self, acc, started: float, shard: Batch) -> None:
         """The update's training tokens/s on this worker (prompt and response tokens, every epoch) and this

@@ -91,7 +91,7 @@ class PolicyWorker(TrainableWorker):
         self.model.eval()
         start = time.perf_counter()
         try:
-            with self.autocast():
+            with self.autocast(), self.eager_if_compiled():
                 out = Completions(self.engine.generate(prompts, settings))
             out.seconds, out.gpus = time.perf_counter() - start, float(self.device.type == "cuda")
             return out
@@ -395,6 +395,10 @@ class ReferenceWorker(WorkerBase):
             model_path = on_this_node(model_path)
             self.model = load_causal_lm(model_path, self.cfg.model.dtype, self.cfg.model.trust_remote_code)
             self.model.to(self.device).eval().requires_grad_(False)
+            if self.cfg.model.compile:
+                from .compile import compile_blocks
+
+                compile_blocks(self.model, self.device)
         except TrainerError as exc:
             self._failed_to_start(exc, rank)
 
