@@ -214,9 +214,9 @@ def main(argv=None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import_trainer()
     from cloudrl.trainer.algo.batch import build_batch, from_wire, update_shards
+    from cloudrl.trainer.algo.step_stats import combine
     from cloudrl.trainer.config import load_config
     from cloudrl.trainer.inputs.models import quiet_transformers, resolve_path
-    from cloudrl.trainer.metrics import combine
     from cloudrl.trainer.roles.workers import PolicyWorker
     from cloudrl.trainer.rollout.engines import HFEngine, SamplingSettings
 

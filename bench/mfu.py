@@ -186,7 +186,7 @@ def run_variant(worker, batch, variant, args, cuda: bool) -> dict:
 
 def _run_variant(worker, batch, variant, args, cuda: bool) -> dict:
     from cloudrl.trainer.algo.batch import update_shards
-    from cloudrl.trainer.metrics import combine
+    from cloudrl.trainer.algo.step_stats import combine
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     set_variant(worker, variant)

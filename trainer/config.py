@@ -407,6 +407,8 @@ class TrainerConfig:
     """`auto` (latest checkpoint in run_dir if any), `never`, or a checkpoint directory."""
     val_every: int = 0
     """Validate every N steps with greedy decoding (0 = only before and after training)."""
+    sample_every: int = 50
+    """Print one sampled prompt, its response and its reward on step 1 and every N steps after (0 = never)."""
     val_n: int = 1
     """Samples per validation prompt besides the greedy one: > 1 also reports mean@n and pass@k
     (k = 1, 2, 4, ... up to n) at trainer.val_temperature; 1 = greedy only."""

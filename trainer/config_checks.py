@@ -246,6 +246,7 @@ RANGES: dict[str, Range] = {
     "trainer.save_every": NON_NEGATIVE,
     "trainer.keep_last": COUNT,
     "trainer.val_every": NON_NEGATIVE,
+    "trainer.sample_every": NON_NEGATIVE,
     "trainer.val_n": COUNT,
     "trainer.val_temperature": POSITIVE,
     "trainer.worker_timeout_s": POSITIVE,

@@ -28,11 +28,12 @@ import torch
 from .algo.advantages import compute_advantages, gap_problem, kl_controller
 from .algo.batch import Batch, build_batch, split_batch, update_shards
 from .algo.evaluation import length_metrics, sampled_metrics
+from .algo.step_stats import Timer
 from .config import Config
 from .errors import EngineMismatch
 from .hangs import WATCH
 from .inputs.data import PromptLoader, PromptRecord
-from .metrics import MetricsLogger, Timer, format_eval_table, format_summary, print_sample
+from .metrics import MetricsLogger, format_eval_table, format_summary, print_sample
 from .recovery import leave_preempted_node, preemption_notice
 from .rollout.engines import SamplingSettings
 from .rollout.environment import FailureReport
@@ -179,8 +180,9 @@ class Trainer:
         got, records, scores = sampled.rollouts, sampled.records, sampled.scores
         batch = self.to_batch(records, got.completions)
         response_mask = batch["response_mask"]
+        first = got.completions[0].token_ids
         print_sample(
-            self.global_step, records[0].prompt_text, self.tokenizer, got.completions[0].token_ids, float(scores[0])
+            self.global_step, cfg.trainer.sample_every, records[0].prompt_text, self.tokenizer, first, float(scores[0])
         )
 
         # ---- 3. Log-probs of the sampling policy and the reference, and the critic's values.

@@ -10,9 +10,9 @@ import mmap
 import pytest
 import torch
 from cloudrl.trainer.algo.batch import build_batch, update_shards
+from cloudrl.trainer.algo.step_stats import Accumulator, combine
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.inputs.models import resolve_path
-from cloudrl.trainer.metrics import Accumulator, combine
 from cloudrl.trainer.roles import worker_base
 from cloudrl.trainer.roles.workers import CriticWorker, PolicyWorker
 

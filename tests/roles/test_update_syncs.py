@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from cloudrl.trainer.algo.batch import build_batch, update_shards
+from cloudrl.trainer.algo.step_stats import Accumulator
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.inputs.models import resolve_path
-from cloudrl.trainer.metrics import Accumulator
 from cloudrl.trainer.roles.workers import CriticWorker, PolicyWorker
 
 TRAINER = str(Path(sys.modules["cloudrl.trainer"].__file__).parent)

@@ -30,7 +30,7 @@ Loss aggregation and `normalizer`
 Statistics
   The losses and the importance weights return their statistics (clipfrac, approx_kl, ...) as detached
   0-dim tensors on the inputs' device, not python floats: reading one back waits for the device, and an
-  update loop reads them all once at its end (metrics.Accumulator) instead of each micro-batch.
+  update loop reads them all once at its end (algo/step_stats.py's Accumulator) instead of each micro-batch.
 """
 
 import torch

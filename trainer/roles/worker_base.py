@@ -21,11 +21,11 @@ import torch
 
 from ..algo import ppo_math as pm
 from ..algo.batch import Batch, position_ids
+from ..algo.step_stats import Accumulator
 from ..config import config_from_dict
 from ..errors import TrainerError
 from ..hangs import arm_stack_dump
 from ..inputs.models import dtype_of
-from ..metrics import Accumulator
 from .fsdp import ModelKind
 from .packing import micro_batches, pack, packing_gap, refuse_inexact_packing, use_attention
 
@@ -574,7 +574,7 @@ class UpdateResult:
     """What a trained role's `update` returns to the driver."""
 
     stats: dict
-    """Token-weighted sums of the rank's statistics (metrics.Accumulator.result); metrics.combine merges ranks."""
+    """Token-weighted sums of the rank's statistics (step_stats.Accumulator.result); step_stats.combine merges ranks."""
 
 
 GIB = float(1 << 30)

@@ -23,8 +23,8 @@ import torch
 
 from ..algo import ppo_math as pm
 from ..algo.batch import Batch, from_wire, to_wire
+from ..algo.step_stats import Accumulator
 from ..errors import TrainerError
-from ..metrics import Accumulator
 from .flops import Utilisation
 from .packing import in_batch_order, micro_batches
 from .staging import NodePaths, on_this_node

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..algo.batch import from_wire, split_evenly
+from ..algo.step_stats import Timer, combine
 from ..errors import TrainerError
 from ..hangs import WATCH
-from ..metrics import Timer, combine
 from ..waiting import get_all
 from .engines import generation_throughput, object_store_push
 from .environment import environment_rewards
