@@ -413,11 +413,19 @@ def _resources_released(timeout: float = 30) -> bool:
     return False
 
 
+# Each run below starts only the roles its failure needs: every worker started costs seconds of imports and
+# model loading on a 2-core machine, and proves nothing here.
+WITHOUT_CRITIC = {"algorithm.name": "grpo"}
+ROLLOUT_IN_ACTOR = {"placement.rollout_in_actor": "true"}
+REWARD_IN_DRIVER = {"reward.in_driver": "true"}
+
+
 @pytest.mark.ray
 def test_a_raising_reward_in_a_reward_worker_ends_the_run_in_one_line(tmp_path):
     """Its own local Ray instance, as a user's run: afterwards no process it started is left."""
     mark = uuid.uuid4().hex
-    overrides = tiny_overrides(tmp_path / "run", **{"reward.function": f"{_reward_file(tmp_path)}:explode"})
+    extra = {"reward.function": f"{_reward_file(tmp_path)}:explode", **WITHOUT_CRITIC, **ROLLOUT_IN_ACTOR}
+    overrides = tiny_overrides(tmp_path / "run", **extra)  # the actor and the reward worker
     result = run_trainer("--preset", "local", *overrides, env={"CLOUDRL_TEST_MARK": mark}, timeout=240)
     last = one_line_error(result)
     assert last.startswith(
@@ -436,6 +444,7 @@ def test_an_engine_trainer_gap_stops_the_run_at_step_1_before_anything_trains(ra
     (float32 on CPU: equal to ~1e-12, so a limit far below that stands in for an engine that samples another
     distribution). The run stops with the line before the update: no step is logged."""
     extra = {"trainer.gap_check": "fail", "trainer.gap_check_max_k3": "1e-300", "model.sft_warmup_steps": "0"}
+    extra |= {**WITHOUT_CRITIC, **REWARD_IN_DRIVER}  # the actor and its engine, a rollout worker
     run_dir = tmp_path / "run"
     result = run_trainer("--preset", "local", *tiny_overrides(run_dir, **extra), env={"RAY_ADDRESS": ray_local})
     last = one_line_error(result)
@@ -447,9 +456,8 @@ def test_an_engine_trainer_gap_stops_the_run_at_step_1_before_anything_trains(ra
 
 @pytest.mark.ray
 def test_a_nan_reward_in_the_driver_ends_the_run_in_one_line(ray_local, tmp_path):
-    overrides = tiny_overrides(
-        tmp_path / "run", **{"reward.function": f"{_reward_file(tmp_path)}:nan_at_2", "reward.in_driver": "true"}
-    )
+    extra = {"reward.function": f"{_reward_file(tmp_path)}:nan_at_2", **REWARD_IN_DRIVER}
+    overrides = tiny_overrides(tmp_path / "run", **extra, **WITHOUT_CRITIC, **ROLLOUT_IN_ACTOR)  # the actor alone
     result = run_trainer("--preset", "local", *overrides, env={"RAY_ADDRESS": ray_local}, timeout=240)
     last = one_line_error(result)
     assert last.startswith(
@@ -466,7 +474,7 @@ def test_a_critic_that_cannot_load_names_role_path_and_node(ray_local, tmp_path)
 
     from cloudrl.trainer.inputs.models import resolve_path
 
-    overrides = tiny_overrides(tmp_path / "run")
+    overrides = tiny_overrides(tmp_path / "run", **ROLLOUT_IN_ACTOR, **REWARD_IN_DRIVER)  # the actor and the critic
     good = resolve_path("builtin:tiny", load_config("local", overrides))
     critic = tmp_path / "critic"
     shutil.copytree(good, critic)
