@@ -30,6 +30,12 @@ REWARD_RISES = {
     "critic.micro_batch_size": 32,
 }
 
+# A run that proves something about one role starts only the roles it needs: every worker started costs seconds
+# of imports and model loading on a 2-core machine, and the others would prove nothing there.
+WITHOUT_CRITIC = {"algorithm.name": "grpo"}
+ROLLOUT_IN_ACTOR = {"placement.rollout_in_actor": "true"}
+REWARD_IN_DRIVER = {"reward.in_driver": "true"}
+
 
 @contextlib.contextmanager
 def local_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int):

@@ -11,7 +11,7 @@ import pytest
 from cloudrl.trainer.errors import RewardError
 from cloudrl.trainer.inputs.data import PromptRecord
 from cloudrl.trainer.inputs.rewards import score
-from runs import run_trainer, tiny_overrides
+from runs import ROLLOUT_IN_ACTOR, WITHOUT_CRITIC, run_trainer, tiny_overrides
 
 SLOW = "import time\n\ndef slow(completions, **columns):\n    time.sleep(10**6)\n    return [0.0] * len(completions)\n"
 
@@ -58,6 +58,8 @@ def test_a_run_whose_reward_hangs_ends_with_one_line(ray_local, tmp_path, in_dri
             "reward.in_driver": in_driver,
             "model.sft_warmup_steps": 0,
             "trainer.export_hf": "false",
+            **WITHOUT_CRITIC,
+            **ROLLOUT_IN_ACTOR,  # the actor, and the reward worker unless the driver scores
         },
     )
     start = time.monotonic()

@@ -34,7 +34,7 @@ from cloudrl.trainer.roles.workers import CriticWorker
 from cloudrl.trainer.state import checkpoint, resume_checks
 from cloudrl.trainer.state.run_dir import resume_point
 from cloudrl.trainer.waiting import worker_errors
-from runs import run_trainer, tiny_overrides
+from runs import REWARD_IN_DRIVER, ROLLOUT_IN_ACTOR, WITHOUT_CRITIC, run_trainer, tiny_overrides
 
 REWARDS = """
 def explode(completions, ground_truth, **kwargs):
@@ -411,13 +411,6 @@ def _resources_released(timeout: float = 30) -> bool:
             return True
         time.sleep(0.5)
     return False
-
-
-# Each run below starts only the roles its failure needs: every worker started costs seconds of imports and
-# model loading on a 2-core machine, and proves nothing here.
-WITHOUT_CRITIC = {"algorithm.name": "grpo"}
-ROLLOUT_IN_ACTOR = {"placement.rollout_in_actor": "true"}
-REWARD_IN_DRIVER = {"reward.in_driver": "true"}
 
 
 @pytest.mark.ray

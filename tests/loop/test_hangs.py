@@ -17,7 +17,7 @@ import pytest
 from cloudrl.trainer import hangs
 from cloudrl.trainer.errors import WorkerHung, WorkerTimeout
 from cloudrl.trainer.hangs import Frame, Watch, dump_stack, threads, where_stuck
-from runs import run_trainer, tiny_overrides
+from runs import ROLLOUT_IN_ACTOR, WITHOUT_CRITIC, run_trainer, tiny_overrides
 
 PACKAGE = hangs.PACKAGE
 STDLIB = os.path.dirname(os.__file__)
@@ -174,6 +174,8 @@ def test_a_run_whose_reward_never_returns_names_its_line_and_ends(ray_local, tmp
             "reward.timeout_s": 0,
             "trainer.hang_timeout_s": 15,
             "trainer.max_restarts": 0,
+            **WITHOUT_CRITIC,
+            **ROLLOUT_IN_ACTOR,  # the actor and the reward worker
         },
     )
     result = run_trainer("--preset", "local", *overrides, env={"RAY_ADDRESS": ray_local}, timeout=300)

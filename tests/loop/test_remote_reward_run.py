@@ -9,7 +9,7 @@ import pytest
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.driver import train
 from cloudrl.trainer.inputs.reward_server import RewardServer
-from runs import metric_rows, tiny_overrides
+from runs import ROLLOUT_IN_ACTOR, WITHOUT_CRITIC, metric_rows, tiny_overrides
 
 pytestmark = pytest.mark.ray
 
@@ -26,7 +26,8 @@ def test_the_reward_workers_score_through_the_server(ray_local, tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/score"
-        overrides = tiny_overrides(tmp_path, **{"trainer.total_steps": 1, "reward.function": "none", "reward.url": url})
+        extra = {"trainer.total_steps": 1, "reward.function": "none", "reward.url": url}
+        overrides = tiny_overrides(tmp_path, **extra, **WITHOUT_CRITIC, **ROLLOUT_IN_ACTOR)  # actor, reward workers
         train(load_config("local", overrides))
     finally:
         server.shutdown()
