@@ -10,7 +10,15 @@ import signal
 
 import pytest
 from cloudrl.trainer.state import checkpoint, layout, timeline
-from runs import logged_steps, run_trainer, start_trainer, tiny_overrides, wait_for_step
+from runs import (
+    REWARD_IN_DRIVER,
+    ROLLOUT_IN_ACTOR,
+    logged_steps,
+    run_trainer,
+    start_trainer,
+    tiny_overrides,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -19,6 +27,7 @@ def test_sigterm_during_a_step_leaves_a_checkpoint_of_that_step_and_the_resume_l
     run_dir = tmp_path / "run"
     log = tmp_path / "driver.log"
     extra = {"trainer.total_steps": 50, "trainer.save_every": 0, "trainer.export_hf": "false"}
+    extra |= {**ROLLOUT_IN_ACTOR, **REWARD_IN_DRIVER}  # the two trained roles, which the checkpoint holds
     proc = start_trainer(run_dir, log, ray_local, **extra)
     try:
         done = wait_for_step(proc, run_dir, log)

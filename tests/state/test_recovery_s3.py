@@ -10,7 +10,7 @@ import pytest
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.driver import train
 from cloudrl.trainer.state import timeline
-from runs import tiny_overrides
+from runs import REWARD_IN_DRIVER, ROLLOUT_IN_ACTOR, tiny_overrides
 from servers import s3_server as moto_server
 
 pytestmark = pytest.mark.ray
@@ -43,6 +43,8 @@ def test_resume_from_the_bucket_after_the_run_dir_is_deleted(ray_local, s3_serve
         "trainer.keep_last": 2,
         "trainer.checkpoint_uri": uri,
         "trainer.export_hf": "false",
+        **ROLLOUT_IN_ACTOR,  # the two trained roles, which the checkpoint holds
+        **REWARD_IN_DRIVER,
     }
     train(load_config("local", tiny_overrides(run_dir, **common, **{"trainer.total_steps": 3})))
     fs.invalidate_cache()
