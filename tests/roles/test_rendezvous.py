@@ -1,4 +1,4 @@
-"""The roles' process-group rendezvous (worker_base.rendezvous_store): rank 0's TCPStore listens on its node's
+"""The roles' process-group rendezvous (trainer/rendezvous.py `listening_store`): rank 0's TCPStore listens on its node's
 address alone, on a port it holds from the moment the kernel picks it, and ranks join a gloo group through it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from datetime import timedelta
 import psutil
 import pytest
 import torch.distributed as dist
-from cloudrl.trainer.roles.worker_base import rendezvous_store
+from cloudrl.trainer.rendezvous import listening_store
 
 RANK = """
 import sys
@@ -20,12 +20,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from cloudrl.trainer.roles.worker_base import rendezvous_store
+from cloudrl.trainer.rendezvous import listening_store
 
 rank = int(sys.argv[1])
 timeout = timedelta(seconds=60)
 if rank == 0:
-    store = rendezvous_store("127.0.0.1", 2, timeout)
+    store = listening_store("127.0.0.1", 2, timeout)
     print(store.port, flush=True)
 else:  # rank 0's port on stdin, once rank 0's store holds it
     store = dist.TCPStore("127.0.0.1", int(sys.stdin.readline()), 2, is_master=False, timeout=timeout)
@@ -46,7 +46,7 @@ def _listening(port: int) -> list[str]:
 
 
 def test_the_store_listens_on_its_address_alone_and_holds_its_port():
-    store = rendezvous_store("127.0.0.1", 2, timedelta(seconds=10))
+    store = listening_store("127.0.0.1", 2, timedelta(seconds=10))
     assert _listening(store.port) == ["127.0.0.1"]  # not 0.0.0.0 / :: (every interface)
     # The port is the store's from the start: no window in which another process could bind it.
     with socket.socket() as other, pytest.raises(OSError):

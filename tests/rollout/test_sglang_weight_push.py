@@ -12,6 +12,8 @@ picks this path. The torch calls that make the group run for real on gloo with o
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from types import SimpleNamespace as NS
 
 import pytest
@@ -187,6 +189,44 @@ def test_the_group_is_made_by_torchs_own_calls():
     tensor = torch.arange(3.0)
     made.broadcast(tensor, 0).wait()
     assert made.size() == 1 and torch.equal(tensor, torch.arange(3.0))
+
+
+GROUP_RANK = """
+import os, sys
+
+import psutil
+import torch
+from cloudrl.trainer.rollout.weight_sync import open_torch_group
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+group = open_torch_group("127.0.0.1", port, 2, "cloudrl_test_group", 60, rank=rank, backend="gloo")
+tensor = torch.arange(3.0) if rank == 0 else torch.zeros(3)
+group.broadcast(tensor, 0).wait()
+listening = [c.laddr.ip for c in psutil.Process(os.getpid()).net_connections("inet") if c.status == "LISTEN" and c.laddr.port == port]
+print("received", tensor.tolist(), "listening", listening, flush=True)
+"""
+
+
+def test_rank_0s_store_listens_on_the_master_address_alone_and_another_process_joins():
+    """The group between two processes, as SGLang's workers join the trainer's: rank 0 (the trainer) serves the
+    rendezvous on the given address only, rank 1 joins through a `tcp://` rendezvous, and a broadcast arrives."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", GROUP_RANK, str(rank), str(port)], stdout=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "received [0.0, 1.0, 2.0] listening ['127.0.0.1']" in outs[0]  # not 0.0.0.0 / :: (every interface)
+    assert "received [0.0, 1.0, 2.0] listening []" in outs[1]
 
 
 def test_a_failure_sglang_reports_as_a_value_raises():

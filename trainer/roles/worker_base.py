@@ -26,6 +26,7 @@ from ..config import config_from_dict
 from ..errors import TrainerError
 from ..hangs import arm_stack_dump
 from ..inputs.models import dtype_of
+from ..rendezvous import listening_store
 from .fsdp import ModelKind
 from .packing import micro_batches, pack, packing_gap, refuse_inexact_packing, use_attention
 
@@ -104,28 +105,6 @@ def forward_values(model, batch: Batch, packed: bool = False, attention: str | N
     return out.logits[:, width - 1 : -1, 0].float() * batch["response_mask"]
 
 
-def rendezvous_store(addr: str, world_size: int, timeout: timedelta):
-    """A TCPStore server listening on `addr` alone, on a port the kernel picks for a socket bound here and
-    handed to the store, so the port is never free between choosing and listening. (torch's own server
-    listens on every interface on the port it is given; a socket bound to one address keeps the
-    rendezvous off the others.) `.host`/`.port` say where ranks join."""
-    import torch.distributed as dist
-
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.bind((addr, 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        fd = listener.detach()  # the store owns the listening socket from here on
-    except BaseException:
-        listener.close()
-        raise
-    return dist.TCPStore(
-        addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd
-    )
-
-
 class WorkerBase:
     """What every role's worker has: its config, rank, device and process-group plumbing.
 
@@ -195,12 +174,14 @@ class WorkerBase:
             torch.cuda.empty_cache()
 
     def master_address(self) -> tuple[str, int]:
+        """This node's address and a port free on it, for a weight-sync group whose store rank 0 opens there."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
+        addr = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+            s.bind((addr, 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return addr, port
 
     def open_rendezvous(self) -> tuple[str, int]:
         """Rank 0's side of the role's process-group rendezvous, opened before any rank joins: a TCPStore
@@ -210,7 +191,7 @@ class WorkerBase:
         import ray
 
         timeout = timedelta(seconds=self.cfg.trainer.worker_timeout_s)
-        self.rendezvous = rendezvous_store(ray.util.get_node_ip_address(), self.world_size, timeout)
+        self.rendezvous = listening_store(ray.util.get_node_ip_address(), self.world_size, timeout)
         return self.rendezvous.host, self.rendezvous.port
 
     def init_process_group(self, addr: str, port: int, cpu_offload: bool = False) -> None:

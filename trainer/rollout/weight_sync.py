@@ -454,15 +454,22 @@ def open_torch_group(
     """A torch process group of `world_size` ranks that meet at `master_address:master_port` (rank 0 hosts the
     TCP store there), this process being `rank`. SGLang's workers create theirs with the same torch calls
     (`init_weights_update_group`: a `tcp://` rendezvous, the store's keys prefixed with the group name, the
-    group made by torch's own group helper), so that both sides find each other's keys."""
+    group made by torch's own group helper), so that both sides find each other's keys. Rank 0's store listens on
+    `master_address` alone."""
     from datetime import timedelta
 
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    from ..rendezvous import listening_store
+
     timeout = timedelta(seconds=timeout_s)
-    host = f"[{master_address}]" if ":" in master_address else master_address  # an IPv6 address
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
+    if rank == 0:  # the store's server, on master_address alone (torch's own would listen on every interface)
+        store = listening_store(master_address, world_size, timeout, port=master_port)
+    else:
+        host = f"[{master_address}]" if ":" in master_address else master_address  # an IPv6 address
+        url = f"tcp://{host}:{master_port}"
+        store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = c10d._new_process_group_helper(
         world_size,
