@@ -2,7 +2,7 @@
 
     python bench/gpu_overheads.py            # one CUDA device; prints a table (MiB) and exits 1 without CUDA
 
-The memory plan (trainer/roles/memory_plan.py) counts these per process; this script measures them on the
+The memory plan (trainer/memory_plan.py) counts these per process; this script measures them on the
 device at hand with the driver's own count of used memory (nvidia-smi's, which torch's allocator statistics
 do not see): before CUDA is touched, after the context is created, after a first 1 MiB tensor, after a
 world-size-1 NCCL group's first all-reduce (its communicator and buffers; more ranks add more channels), and

@@ -2,7 +2,7 @@
 
 FILE is what `dstack offer --json` printed (or `-`: read it from stdin). For each offer that can be had
 (not `not_available`, `no_quota` or `no_balance`), the config must pass both checks the trainer itself makes:
-the memory plan of every role's GPU against the offer's GPU memory (trainer/roles/memory_plan.py), and the
+the memory plan of every role's GPU against the offer's GPU memory (trainer/memory_plan.py), and the
 placement of every role's bundles on N such nodes (trainer/roles/placement.py's `check_fits`, the same check
 as against a live cluster), for the fewest N up to `max_nodes`. The fitting offers print cheapest per hour
 of the whole cluster first.
@@ -104,7 +104,7 @@ def fitting(cfg, offers: list[Offer], max_price: float = 0.0, max_nodes: int = M
     """The offers `cfg` fits on (memory plan and placement), each with the fewest nodes it needs, cheapest per
     hour of the whole cluster first; `max_price` > 0 leaves out clusters that cost more per hour."""
     from cloudrl.trainer.errors import ModelLoadError
-    from cloudrl.trainer.roles.memory_plan import DoesNotFit, check_fits
+    from cloudrl.trainer.memory_plan import DoesNotFit, check_fits
     from cloudrl.trainer.roles.placement import ClusterTooSmall, plan
     from cloudrl.trainer.roles.placement import check_fits as placement_fits
 

@@ -1,7 +1,7 @@
 """`cloudrl plan`: the memory plan of a run per GPU of each role and engine, before any GPU is rented.
 
 The config is loaded as `cloudrl submit` loads it (the same preset and overrides, the same checks); the
-model's shape comes from its config.json alone (trainer/roles/memory_plan.py holds every formula). Prints
+model's shape comes from its config.json alone (trainer/memory_plan.py holds every formula). Prints
 the table, then refuses a layout that cannot fit `--gpu-memory-gib` in one line naming the keys that would.
 With `--offers FILE`, lists the dstack offers the config fits on instead (offers.py).
 """
@@ -20,7 +20,7 @@ def uses_gpus(cfg) -> bool:
 def planner(cfg, gpu_memory_gib: float) -> Callable:
     """`plan_of(config)`: the memory plan of a config with the shapes of cfg's models (policy, critic.model_path,
     reward.model_path), read once from their config.json files (ModelLoadError where one cannot be read)."""
-    from cloudrl.trainer.roles.memory_plan import plan_memory, read_shape
+    from cloudrl.trainer.memory_plan import plan_memory, read_shape
 
     trust = cfg.model.trust_remote_code
     shape = read_shape(cfg.model.path, "model.path", trust)
@@ -39,7 +39,7 @@ def check_memory(cfg, gpu_memory_gib: float) -> str | None:
     would make it fit) where one cannot hold it. A note instead when the model's config.json cannot be read
     here (no local copy, no HF cache, no hub): the cluster, which can, then decides. None otherwise."""
     from cloudrl.trainer.errors import ModelLoadError
-    from cloudrl.trainer.roles.memory_plan import check_fits
+    from cloudrl.trainer.memory_plan import check_fits
 
     if not uses_gpus(cfg):
         return None
@@ -53,7 +53,7 @@ def check_memory(cfg, gpu_memory_gib: float) -> str | None:
 
 def show_plan(preset: str, overrides: list[str], gpu_memory_gib: float, echo: Callable[[str], None]) -> None:
     """Print the plan with `echo`; raise DoesNotFit (one line, exit 1) when a role's GPUs cannot hold it."""
-    from cloudrl.trainer.roles.memory_plan import check_fits, plan_text
+    from cloudrl.trainer.memory_plan import check_fits, plan_text
 
     from .errors import CloudrlError
     from .submit import load_config

@@ -56,7 +56,7 @@ Frozen and generating roles, per GPU:
   their own count theirs inside rollout.gpu_memory_utilization.
 
 The measured check: bench/README.md's "GPU smoke" (one H200, a 98.6M and a 1.1B random Qwen2) in
-tests/roles/test_memory_plan.py.
+tests/loop/test_memory_plan.py.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, ConfigError
-from ..errors import ModelLoadError, first_line
+from .config import Config, ConfigError
+from .errors import ModelLoadError, first_line
 
 GIB = float(1 << 30)
 LOGIT_CHUNK = 1024
@@ -200,7 +200,7 @@ def read_shape(path: str, key: str = "model.path", trust_remote_code: bool = Fal
     else from the hub when it answers). Only config.json is read."""
     from transformers import AutoConfig
 
-    from ..inputs.models import check_model_path, resolve_path
+    from .inputs.models import check_model_path, resolve_path
 
     fix = (
         f"give {key} a local directory holding the model's config.json (the weights are not needed), or run "
@@ -480,7 +480,7 @@ def plan_memory(
 ) -> MemoryPlan:
     """Per GPU of every role and engine: what it holds in each phase of a step. `critic_shape` and
     `reward_shape`: critic.model_path's and reward.model_path's (default: the policy's; none)."""
-    from .placement import reference_in_actor
+    from .roles.placement import reference_in_actor
 
     p, r = cfg.placement, cfg.rollout
     critic_shape = critic_shape or shape

@@ -1,11 +1,11 @@
-"""The memory plan (trainer/roles/memory_plan.py): each formula on its own, and the whole plan against the
+"""The memory plan (trainer/memory_plan.py): each formula on its own, and the whole plan against the
 peaks bench/README.md's "GPU smoke" recorded on one H200. Pure arithmetic over config shapes: no weights."""
 
 from __future__ import annotations
 
 import pytest
 from cloudrl.trainer.config import load_config
-from cloudrl.trainer.roles.memory_plan import (
+from cloudrl.trainer.memory_plan import (
     GIB,
     PROCESS_GIB,
     DoesNotFit,
