@@ -10,7 +10,7 @@
 
 What is simplified, on purpose:
 1. One step in flight at most. With `rollout.policy_lag=1` the next batch generates while this step's
-   update runs (rollout/queue.py holds both halves of that overlap); deeper pipelines are not offered.
+   update runs (rollout/queue.py and rollout/in_flight.py hold its two halves); deeper pipelines are not offered.
 2. The driver holds the whole batch: rewards, advantages and batch splitting run here, in one process.
 """
 
@@ -35,9 +35,11 @@ from .hangs import WATCH
 from .inputs.data import PromptLoader, PromptRecord
 from .metrics import MetricsLogger, format_eval_table, format_summary, print_sample
 from .recovery import leave_preempted_node, preemption_notice
+from .rollout.dynamic_sampling import Round, refill
 from .rollout.engines import SamplingSettings
 from .rollout.environment import FailureReport
-from .rollout.queue import RolloutQueue, Rollouts, Round, SentStep, StepsInFlight, refill
+from .rollout.in_flight import SentStep, StepsInFlight
+from .rollout.queue import RolloutQueue, Rollouts
 from .rollout.weight_sync import WeightPush
 from .state import checkpoint, timeline
 from .state.shards import export_policy, load_roles, save_run
@@ -226,7 +228,7 @@ class Trainer:
         return got
 
     def refill(self, sampled: Sampled, prompts: list[PromptRecord], sees_weights: bool) -> Sampled:
-        """Dynamic sampling (rollout/queue.py `refill`): keep the prompts whose samples score differently,
+        """Dynamic sampling (rollout/dynamic_sampling.py `refill`): keep the prompts whose samples score differently,
         generating rounds of new prompts from the loader (with the weights pushed last) until
         data.train_batch_size are kept or algorithm.max_sampling_rounds rounds ran. Only then does the next
         step's batch start (rollout.policy_lag=1), from where the loader now stands: the loader state a

@@ -1,4 +1,4 @@
-"""Dynamic sampling (rollout/queue.py `refill`, driver `Trainer.refill`) with a stand-in generator and
+"""Dynamic sampling (rollout/dynamic_sampling.py `refill`, driver `Trainer.refill`) with a stand-in generator and
 reward: groups whose samples all score the same are dropped, the batch is refilled to size from new
 prompts, the bound on rounds keeps a too-hard task from looping, and with rollout.policy_lag=1 the
 next batch starts only after the refill, from where the loader then stands."""
@@ -11,8 +11,9 @@ from cloudrl.trainer.config import load_config
 from cloudrl.trainer.driver import Sampled, Trainer
 from cloudrl.trainer.errors import ConfigError, TrainerError
 from cloudrl.trainer.inputs.data import PromptLoader, PromptRecord
+from cloudrl.trainer.rollout.dynamic_sampling import NothingInformative, Round, differing_groups, refill
 from cloudrl.trainer.rollout.engines import Completion
-from cloudrl.trainer.rollout.queue import NothingInformative, Rollouts, Round, differing_groups, refill
+from cloudrl.trainer.rollout.queue import Rollouts
 
 N = 4
 

@@ -450,7 +450,7 @@ class RewardWorker(WorkerBase):
     def score(self, completions: list, records: list):
         """Scores [N] for an engine's `completions` (rollout.Completion) of `records` (one PromptRecord
         each), as a numpy array on the wire (batch.to_wire). The rollout queue passes the engine's result
-        straight on (rollout_queue.py)."""
+        straight on (rollout/queue.py)."""
         from ..inputs.rewards import score_responses
 
         responses = [c.token_ids for c in completions]

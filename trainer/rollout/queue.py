@@ -21,11 +21,8 @@ many weight versions it lags behind the ones pushed since, which the driver logs
 importance weights (`rollout.logprob_correction_cap`). With `policy_lag=0` every batch is started in
 `take` and the lag is 0.
 
-`refill` is dynamic sampling (`algorithm.dynamic_sampling`): it keeps the prompt groups whose rewards
-differ and asks for more rounds until the batch is full, at most `algorithm.max_sampling_rounds`.
-
-`StepsInFlight` holds the other half of the overlap: with `policy_lag=1` a step's update is collected
-only at the end of the next step, so the driver's step itself reads straight through.
+Dynamic sampling is in dynamic_sampling.py; the other half of the overlap, the updates of sent steps, in
+in_flight.py.
 """
 
 from __future__ import annotations
@@ -38,8 +35,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..algo.batch import from_wire, split_evenly
-from ..algo.step_stats import Timer, combine
-from ..errors import TrainerError
 from ..hangs import WATCH
 from ..waiting import get_all
 from .engines import generation_throughput, object_store_push
@@ -75,7 +70,6 @@ class Rollouts:
         same worker or beside it; `reward_function` names it in the error), or `score_here`'s. Either way
         each episode's environment rewards (rollout.environment) are added."""
         import ray
-        import torch
 
         from ..inputs.rewards import too_slow
 
@@ -261,151 +255,3 @@ class RolloutQueue:
             "timing/engine_load": max(r["load_s"] for r in loads),
             **object_store_push(loads),  # timing/push_gather, perf/push_gb_per_s
         }
-
-
-@dataclass
-class SentStep:
-    """A step whose update calls were sent to the actor and critic workers, not yet collected."""
-
-    step: int
-    metrics: dict
-    """Everything but the update's statistics."""
-    timer: Timer
-    started: float
-    """perf_counter at the step's start."""
-    update_sent: float
-    """perf_counter when the updates were sent."""
-    actor_refs: list
-    critic_refs: list
-    tokens: float
-    """Prompt and response tokens of the step's batch (for perf/tokens_per_s)."""
-
-
-class StepsInFlight:
-    """Collects the updates of sent steps. A step is held while the next one runs (`rollout.policy_lag=1`:
-    the next batch already generates with the weights before this update) unless something must see its
-    weights first; then it is collected at the end of the next step. Without policy lag no step is held.
-
-        finished = in_flight.add(sent, hold=...)   # [(step, metrics)] of the steps collected now, in order
-    """
-
-    def __init__(
-        self, queue: RolloutQueue, settle_each_step: bool, actor_labels: list[str] = (), critic_labels: list[str] = ()
-    ):
-        """`settle_each_step`: wait for the step's weight push to be loaded before it counts as finished
-        (in turn, without policy lag; the push's load timings join its metrics). The labels name the actor's
-        and the critic's ranks to the hang watch."""
-        self.queue = queue
-        self.labels = {"actor": list(actor_labels), "critic": list(critic_labels)}
-        self.settle_each_step = settle_each_step
-        self.held: SentStep | None = None
-        self.last_finished = 0.0
-        """perf_counter when the last step was collected."""
-
-    def add(self, sent: SentStep, hold: bool) -> list[tuple[int, dict]]:
-        finished = []
-        if self.held is not None:
-            finished.append(self.collect(self.held))
-            self.held = None
-        if hold:
-            self.held = sent
-        else:
-            finished.append(self.collect(sent))
-        return finished
-
-    def _updated(self, role: str, refs: list, sent: SentStep) -> list:
-        """The `role`'s update results, within the hang watch's bound counted from when they were sent."""
-        labels = self.labels[role] or [f"{role} rank {r}" for r in range(len(refs))]
-        started = time.monotonic() - (time.perf_counter() - sent.update_sent)
-        return WATCH.wait(f"{role} update", refs, labels, f"step {sent.step}: the {role}'s update", started=started)
-
-    def collect(self, sent: SentStep) -> tuple[int, dict]:
-        """The step's metrics once its updates are done (and, in turn, the engines have the new weights).
-        `timing/step` is the time since the previous step was collected, or since this one started."""
-        metrics = sent.metrics
-        timer = sent.timer
-        metrics.update(combine([r.stats for r in self._updated("actor", sent.actor_refs, sent)]))
-        metrics["timing/update_actor"] = time.perf_counter() - sent.update_sent
-        if sent.critic_refs:
-            metrics.update(combine([r.stats for r in self._updated("critic", sent.critic_refs, sent)]))
-            metrics["timing/update_critic"] = time.perf_counter() - sent.update_sent
-        timer.add("update", time.perf_counter() - sent.update_sent)
-        if self.settle_each_step:
-            with timer("sync"):
-                metrics.update(self.queue.settle())
-        now = time.perf_counter()
-        metrics.update(timer.times)
-        metrics["timing/step"] = now - max(sent.started, self.last_finished)
-        metrics["perf/tokens_per_s"] = sent.tokens / metrics["timing/step"]
-        self.last_finished = now
-        return sent.step, metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# Dynamic sampling (DAPO): keep only the prompt groups whose samples score differently
-# ----------------------------------------------------------------------------------------------
-
-
-class NothingInformative(TrainerError, RuntimeError):
-    """Every round of dynamic sampling found only prompts whose samples all scored the same."""
-
-
-@dataclass
-class Round:
-    """One round of generation: prompts, their n samples each (prompt i's at [i*n, (i+1)*n)) and rewards."""
-
-    prompts: list
-    completions: list
-    scores: torch.Tensor
-    """[len(prompts) * n] rewards."""
-    waited_s: float = 0.0
-
-
-def differing_groups(scores: torch.Tensor, n: int) -> torch.Tensor:
-    """[groups] bool: the prompt groups (n consecutive samples each) whose rewards are not all equal."""
-    groups = scores.view(-1, n)
-    return groups.amax(dim=1) != groups.amin(dim=1)
-
-
-def refill(first: Round, more, size: int, n: int, max_rounds: int) -> tuple[Round, dict[str, float]]:
-    """Dynamic sampling: the first `size` groups of `first` and of further rounds (`more()`: new prompts,
-    generated and scored) whose rewards differ, at most `max_rounds` rounds in all. When the bound is
-    hit with fewer groups kept, equal-score groups fill the batch (in the order generated) so its shape
-    stays fixed; the `rollout/filled_uniform` metric says what share of the batch they are. Returns the
-    batch (all rounds' `waited_s` summed) and the sampling metrics; raises `NothingInformative` when no
-    round kept a single group."""
-    kept: list[tuple[Round, int]] = []
-    uniform: list[tuple[Round, int]] = []
-    generated = 0
-    rounds = 0
-    waited = 0.0
-    current = first
-    while True:
-        rounds += 1
-        generated += len(current.prompts)
-        waited += current.waited_s
-        differ = differing_groups(current.scores, n).tolist()
-        kept += [(current, i) for i, d in enumerate(differ) if d]
-        uniform += [(current, i) for i, d in enumerate(differ) if not d]
-        if len(kept) >= size or rounds >= max_rounds:
-            break
-        current = more()
-    if not kept:
-        raise NothingInformative(
-            f"dynamic sampling: all {generated} prompts of {rounds} rounds (algorithm.max_sampling_rounds="
-            f"{max_rounds}) had samples that all scored the same, so there is nothing to learn from: use an "
-            f"easier task or a stronger starting model, raise rollout.n, or set algorithm.dynamic_sampling=false"
-        )
-    chosen = kept[:size] + uniform[: max(0, size - len(kept))]
-    prompts, completions, scores = [], [], []
-    for source, i in chosen:
-        prompts.append(source.prompts[i])
-        completions += source.completions[i * n : (i + 1) * n]
-        scores.append(source.scores[i * n : (i + 1) * n])
-    metrics = {
-        "rollout/sampling_rounds": float(rounds),
-        "rollout/kept_fraction": len(kept) / generated,
-        "rollout/samples_per_kept": generated / min(len(kept), size),
-        "rollout/filled_uniform": max(0, size - len(kept)) / size,
-    }
-    return Round(prompts, completions, torch.cat(scores), waited), metrics
