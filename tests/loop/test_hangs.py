@@ -2,8 +2,8 @@
 sits in, its stacks are kept in run_dir/hangs/, and the attempt ends so recovery can restart it.
 
 In order: the dump's parsing (no process), a real process stuck in user code and dumped by signal (no Ray),
-a stuck Ray actor behind `Watch.wait` on the session's Ray instance, and a whole run whose reward function
-never returns."""
+a stuck Ray actor behind `Watch.wait` on the session's Ray instance, a rank stuck in a collective that another
+rank skipped, and a whole run whose reward function never returns."""
 
 from __future__ import annotations
 
@@ -149,6 +149,80 @@ def test_a_stuck_actor_is_named_where_it_sits_and_its_stacks_are_kept(ray_local,
         assert f'File "{source}", line 11 in work' in (kept / "reward-rank-0-on-127.0.0.1.txt").read_text()
     finally:
         ray.kill(actor)
+
+
+COLLECTIVE_RANK = """\
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class Rank:
+    def where(self):
+        from cloudrl.trainer.hangs import arm_stack_dump
+        import ray
+        arm_stack_dump()
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def open_store(self):
+        from cloudrl.trainer.rendezvous import listening_store
+        self.store = listening_store("127.0.0.1", 2, timedelta(seconds=600))
+        return self.store.port
+
+    def join(self, rank, port):
+        store = getattr(self, "store", None) or dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=600))
+        return rank
+
+    def step(self, skip_all_reduce):
+        value = torch.ones(4)
+        if not skip_all_reduce:
+            dist.all_reduce(value)  # rank 0 waits here for a rank that never comes
+        return float(value.sum())
+"""
+
+
+@pytest.mark.ray
+def test_a_rank_stuck_in_a_collective_is_named_at_its_all_reduce(ray_local, tmp_path):
+    """Two ranks of a gloo group on the session's Ray instance; rank 1 skips an all-reduce that rank 0 enters,
+    as when one rank takes another code path. The watch names rank 0 at the line of its all-reduce, and its
+    kept stack holds torch's all_reduce frame."""
+    import ray
+
+    source = tmp_path / "collective_rank.py"
+    source.write_text(COLLECTIVE_RANK)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import collective_rank
+    finally:
+        sys.path.remove(str(tmp_path))
+    actor_cls = ray.remote(num_cpus=0, runtime_env={"env_vars": {"PYTHONPATH": str(tmp_path)}})(collective_rank.Rank)
+    ranks = [actor_cls.remote() for _ in range(2)]
+    labels = [f"actor rank {r} on 127.0.0.1" for r in range(2)]
+    watch = hangs.WATCH
+    try:
+        watch.register(labels, ray.get([r.where.remote() for r in ranks], timeout=120))
+        port = ray.get(ranks[0].open_store.remote(), timeout=120)
+        assert ray.get([r.join.remote(i, port) for i, r in enumerate(ranks)], timeout=120) == [0, 1]
+        with watch.watching(tmp_path / "run", hang_timeout_s=3):
+            start = time.monotonic()
+            refs = [ranks[0].step.remote(False), ranks[1].step.remote(True)]
+            with pytest.raises(WorkerHung) as err:
+                watch.wait("actor update", refs, labels, "step 1: the actor's update")
+            assert time.monotonic() - start < 60
+        message = str(err.value)
+        assert "\n" not in message and "trainer.hang_timeout_s=3s" in message, message
+        assert err.value.late == [labels[0]], err.value.late  # rank 1 returned; rank 0 did not
+        assert f"{labels[0]} is in your code at {source}:28 in step" in message, message
+        (kept,) = (tmp_path / "run" / "hangs").iterdir()
+        stack = (kept / "actor-rank-0-on-127.0.0.1.txt").read_text()
+        assert f'File "{source}", line 28 in step' in stack
+        assert "distributed_c10d.py" in stack and "in all_reduce" in stack, stack
+    finally:
+        for rank in ranks:
+            ray.kill(rank)
 
 
 SLOW_REWARD = """\
