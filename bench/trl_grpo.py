@@ -11,12 +11,12 @@ torch, the same transformers as this interpreter, trl (pinned below) and cloudrl
 Each round runs, one after the other and each in its own process tree, for every thread count
 (--threads, default: the CPU count, which is TRL's default, then 1):
 1. cloudrl: `python -m cloudrl.trainer --preset local algorithm.name=grpo ...` on a local Ray instance,
-   in four layouts (--layouts): `lean` (the actor worker generates with the policy it trains and
+   in five layouts (--layouts): `lean` (the actor worker generates with the policy it trains and
    the driver scores the rule reward, as TRL's single process does both), `actor` (the same with a
    reward worker), `workers` (a separate rollout worker that receives the weights every step, and
-   a reward worker) and `async` (`workers` with rollout.policy_lag=1: the worker generates the next
-   batch while the actor trains). Every computing worker reserves that many CPUs, so torch uses that
-   many threads; in `async` the actor and the engine, which run at once, split them. Step times from run_dir/metrics.jsonl (`time` of each row, and `timing/step`).
+   a reward worker), `async` (`workers` with rollout.policy_lag=1: the worker generates the next
+   batch while the actor trains) and `async2` (rollout.policy_lag=2: the next two). Every computing worker reserves that many CPUs, so torch uses that
+   many threads; in `async` and `async2` the actor and the engine, which run at once, split them. Step times from run_dir/metrics.jsonl (`time` of each row, and `timing/step`).
 2. TRL: bench/_trl_worker.py with the venv's Python, GRPOTrainer on the same model directory and
    prompts, torch limited to that many threads; step times from a TrainerCallback (on_step_end
    times, and on_step_begin -> on_step_end).
@@ -291,6 +291,15 @@ LAYOUTS = {
             f"rollout.cpus_per_engine={max(1, t - t // 2)}",
         ],
     ),
+    # Two batches ahead: the engine goes on to the batch after next instead of waiting for the update.
+    "async2": (
+        "rollout worker, policy_lag=2",
+        lambda t: [
+            "rollout.policy_lag=2",
+            f"actor.cpus_per_worker={max(1, t // 2)}",
+            f"rollout.cpus_per_engine={max(1, t - t // 2)}",
+        ],
+    ),
 }
 
 
@@ -323,7 +332,8 @@ def main(argv=None) -> int:
         "one worker generates and trains, the driver scores, as TRL's one process does), actor "
         "(the same with a reward worker) and workers (a separate rollout worker, weights synced "
         "every step, and a reward worker), async (workers with rollout.policy_lag=1: the "
-        "next batch generates while the actor trains). Default: lean,actor,workers,async",
+        "next batch generates while the actor trains), async2 (rollout.policy_lag=2: the next two). "
+        "Default: lean,actor,workers,async",
     )
     p.add_argument(
         "--cloudrl-extra",

@@ -165,8 +165,10 @@ class RolloutConfig:
     """Upper bound of those weights (truncated modes), or of the ratios kept (masked modes, the lower bound
     its reciprocal; geo_mis compares a mean per token: a bound near 1, such as 1.001)."""
     policy_lag: int = 0
-    """1: the engines generate the next step's rollouts (with the weights before this step's update)
-    while this step trains, and the lag is corrected with the importance weights above; 0: in turn."""
+    """k >= 1: the engines generate the next k steps' rollouts (with the weights before this step's update)
+    while this step trains, so a sample is at most k weight versions old, and the lag is corrected with the
+    importance weights above; 0: in turn. At most 4; a step that validates or checkpoints is not generated
+    ahead of."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per engine, e.g. {h100: 1} to pin engines to nodes started with them."""
 

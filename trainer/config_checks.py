@@ -191,7 +191,9 @@ RANGES: dict[str, Range] = {
     "rollout.gpus_per_engine": NON_NEGATIVE,
     "rollout.cpus_per_engine": NON_NEGATIVE,
     "rollout.gpu_memory_utilization": FRACTION,
-    "rollout.policy_lag": Range(0, 1, hint="0 generates in turn with training, 1 keeps one batch in flight"),
+    "rollout.policy_lag": Range(
+        0, 4, hint="0 generates in turn with training, k keeps k batches in flight; samples k updates old weigh little"
+    ),
     "trainer.gap_check_max_k3": Range(0, low_open=True, hint="0 would refuse even identical log-probs"),
     "rollout.logprob_correction_cap": Range(
         1, hint="it caps importance weights; below 1 it would shrink even on-policy tokens"
@@ -468,19 +470,27 @@ def _check_objective(cfg: Any) -> None:
 
 
 def _check_policy_lag(cfg: Any) -> None:
-    """Rollouts generated while the policy trains need engines of their own that stay awake."""
+    """Rollouts generated while the policy trains need engines of their own that stay awake; batches
+    generated more than one step ahead need their prompts known that early."""
     p = cfg.placement
+    lag = f"rollout.policy_lag={cfg.rollout.policy_lag}"
     if p.rollout_in_actor or p.colocate_all:
         key = "placement.rollout_in_actor" if p.rollout_in_actor else "placement.colocate_all"
         raise ConfigError(
-            f"rollout.policy_lag=1 generates while the actor trains, but {key}=true puts generation "
+            f"{lag} generates while the actor trains, but {key}=true puts generation "
             f"on the actor's own {'workers' if p.rollout_in_actor else 'GPUs'}: set {key}=false, or "
             f"rollout.policy_lag=0"
         )
     if cfg.rollout.sleep_between_rollouts:
         raise ConfigError(
-            "rollout.policy_lag=1 keeps the engines generating while the actor trains: set "
+            f"{lag} keeps the engines generating while the actor trains: set "
             "rollout.sleep_between_rollouts=false, or rollout.policy_lag=0"
+        )
+    if cfg.rollout.policy_lag > 1 and cfg.algorithm.dynamic_sampling:
+        raise ConfigError(
+            f"{lag} starts batches {cfg.rollout.policy_lag} steps ahead, but algorithm.dynamic_sampling=true "
+            "draws a step's extra prompts only once its scores are in: set rollout.policy_lag=1 (one batch "
+            "ahead, started after the refill), or algorithm.dynamic_sampling=false"
         )
 
 

@@ -9,8 +9,9 @@
 `train(cfg)` runs the whole job around the loop (job.py: the cluster, the inputs, the roles, restarts).
 
 What is simplified, on purpose:
-1. One step in flight at most. With `rollout.policy_lag=1` the next batch generates while this step's
-   update runs (rollout/queue.py and rollout/in_flight.py hold its two halves); deeper pipelines are not offered.
+1. Generation runs at most `rollout.policy_lag` steps ahead: with k >= 1 the next k batches generate (with
+   the weights they find) while this step's update runs (rollout/queue.py and rollout/in_flight.py hold the two
+   halves); a step that must see its updated weights (a validation, a checkpoint) is not generated ahead of.
 2. The driver holds the whole batch: rewards, advantages and batch splitting run here, in one process.
 """
 
@@ -164,8 +165,8 @@ class Trainer:
         kl_coef = self.kl_ctl.value
         sees_weights = self.must_see_weights(self.global_step)
 
-        # ---- 1. Rollout: n samples per prompt, grouped per prompt. With rollout.policy_lag=1 they
-        #      were started during the previous step, and the next step's start now.
+        # ---- 1. Rollout: n samples per prompt, grouped per prompt. With rollout.policy_lag=k they
+        #      were started during an earlier step, and the next steps' start now (up to k ahead).
         with timer("rollout"):
             got = self.rollout(prompts, sees_weights)
         records = [p for p in prompts for _ in range(cfg.rollout.n)]
@@ -217,11 +218,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def rollout(self, prompts: list[PromptRecord], sees_weights: bool) -> Rollouts:
-        """This step's samples (taken from the batch in flight, or generated now) and, with
-        rollout.policy_lag=1, the next step's batch started. With dynamic sampling the next batch
+        """This step's samples (taken from the batches in flight, or generated now) and, with
+        rollout.policy_lag=k, the batches of the next k steps started. With dynamic sampling the next batch
         starts in `refill` instead, once this step has drawn all the prompts it needs."""
         step = self.global_step
-        then = None if sees_weights or self.cfg.algorithm.dynamic_sampling else self.next_rollout()
+        then = [] if sees_weights or self.cfg.algorithm.dynamic_sampling else self.next_rollouts()
         got = self.rollouts.take(step, prompts, self.sampling(step), then=then)
         if not self.cfg.algorithm.dynamic_sampling:
             self.push_weights.release_engines()
@@ -249,9 +250,8 @@ class Trainer:
 
         first = Round(prompts, sampled.rollouts.completions, sampled.scores, sampled.rollouts.waited_s)
         kept, metrics = refill(first, more, cfg.data.train_batch_size, n, cfg.algorithm.max_sampling_rounds)
-        then = None if sees_weights else self.next_rollout()
-        if then is not None:
-            self.rollouts.start(self.global_step + 1, *then)
+        for ahead in [] if sees_weights else self.next_rollouts():  # with dynamic sampling: policy_lag <= 1
+            self.rollouts.start(self.rollouts.started_through(self.global_step) + 1, *ahead)
         self.push_weights.release_engines()
         return Sampled(
             # the first round's generation speed (engines.generation_throughput)
@@ -376,11 +376,18 @@ class Trainer:
     def stop_requested(self) -> bool:
         return self.stop is not None and self.stop.requested
 
-    def next_rollout(self) -> tuple | None:
-        """With rollout.policy_lag=1: the next step's prompts and sampling settings, to start now."""
-        if not self.cfg.rollout.policy_lag:
-            return None
-        return self.loader.peek_batch(), self.sampling(self.global_step + 1)
+    def next_rollouts(self) -> list[tuple]:
+        """With rollout.policy_lag=k: the prompts and sampling settings of the steps up to k after this one
+        whose batches are not in flight yet, to start now (the caller has checked that this step need not
+        see its updated weights). Nothing beyond a later step that must (`must_see_weights`): the step after
+        it generates with them, as a resumed run does."""
+        step = self.global_step
+        ahead = []
+        for later in range(self.rollouts.started_through(step) + 1, step + self.cfg.rollout.policy_lag + 1):
+            if any(self.must_see_weights(s) for s in range(step + 1, later)):
+                break
+            ahead.append((self.loader.peek_batch(later - step), self.sampling(later)))
+        return ahead
 
     @property
     def update_seed(self) -> int:

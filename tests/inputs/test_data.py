@@ -350,3 +350,16 @@ def test_peek_batch_is_the_next_batch_without_taking_it():
         assert texts(loader.peek_batch()) == peeked
         assert loader.state_dict() == state
         assert texts(loader.next_batch()) == peeked == texts(reference.next_batch())
+
+
+def test_peek_batch_looks_several_batches_ahead():
+    """rollout.policy_lag=k starts batches k steps ahead: the k-th peek is the k-th next batch, across epochs."""
+    loader = PromptLoader(make_records(6), batch_size=4, shuffle=True, seed=0)
+    reference = PromptLoader(make_records(6), batch_size=4, shuffle=True, seed=0)
+    for _ in range(3):
+        state = loader.state_dict()
+        ahead = [texts(loader.peek_batch(k)) for k in (1, 2, 3)]
+        assert loader.state_dict() == state
+        assert [texts(reference.next_batch()) for _ in range(3)] == ahead
+        for _ in range(3):
+            loader.next_batch()

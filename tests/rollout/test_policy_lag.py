@@ -1,4 +1,4 @@
-"""rollout.policy_lag=1: the engines generate the next step's batch while the current one trains."""
+"""rollout.policy_lag=k: the engines generate the next k steps' batches while the current one trains."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _rows(run_dir) -> dict[int, dict]:
         ("placement.rollout_in_actor=true", "placement.rollout_in_actor=false"),
         ("placement.colocate_all=true", "placement.colocate_all=false"),
         ("rollout.sleep_between_rollouts=true", "rollout.sleep_between_rollouts=false"),
-        ("rollout.policy_lag=2", "rollout.policy_lag"),
+        ("rollout.policy_lag=5", "rollout.policy_lag"),
     ],
 )
 def test_what_cannot_overlap_is_refused(override, expected):
@@ -29,15 +29,25 @@ def test_what_cannot_overlap_is_refused(override, expected):
         load_config("local", ["rollout.policy_lag=1", override])
 
 
+def test_batches_more_than_one_step_ahead_refuse_dynamic_sampling():
+    """A step's refill draws prompts only once its scores are in: batches started two steps ahead would
+    have taken those prompts already."""
+    base = ["algorithm.name=grpo", "algorithm.dynamic_sampling=true"]
+    load_config("local", [*base, "rollout.policy_lag=1"])
+    with pytest.raises(ConfigError, match="rollout.policy_lag=2 starts batches 2 steps ahead.*dynamic_sampling=false"):
+        load_config("local", [*base, "rollout.policy_lag=2"])
+
+
 @pytest.mark.ray
-def test_lagging_run_learns(ray_local, tmp_path):
-    """One batch in flight: trained on samples one policy version old (importance-weighted), the
+@pytest.mark.parametrize("lag", [1, 2])
+def test_lagging_run_learns(ray_local, tmp_path, lag):
+    """`lag` batches in flight: trained on samples `lag` policy versions old (importance-weighted), the
     reward still rises as in the run that generates in turn (tests/loop/test_trainer.py)."""
     overrides = {
         **REWARD_RISES,
         "algorithm.name": "grpo",
         "algorithm.grpo_norm_by_std": "false",
-        "rollout.policy_lag": 1,
+        "rollout.policy_lag": lag,
         # A lagging batch was sampled one update ago. At the local preset's lr (2e-3) one update can move
         # the tiny policy's log-probs on the sampled tokens by several nats (rollout/logprob_diff 0.7-4.7),
         # so the truncated weights discard most samples and the run stalls; at 5e-4 the gap stays ~0.02.
@@ -49,7 +59,8 @@ def test_lagging_run_learns(ray_local, tmp_path):
     rewards = [rows[s]["rollout/reward_mean"] for s in sorted(rows)]
     first, last = first_and_last_means(rewards)
     assert last > first + 0.04, (first, last, rewards)
-    assert [rows[s]["rollout/policy_lag"] for s in sorted(rows)] == [0] + [1] * (len(rows) - 1)
+    # the first step generates in turn; from the (lag+1)-th every batch was started lag updates ago
+    assert [rows[s]["rollout/policy_lag"] for s in sorted(rows)] == [*range(lag), *[lag] * (len(rows) - lag)]
     lagged = [rows[s] for s in sorted(rows)[1:]]
     assert all(r["rollout/is_weight_mean"] > 0 for r in lagged)
     assert any(abs(r["rollout/is_weight_mean"] - 1) > 1e-4 for r in lagged), "old samples, yet weights of 1"
@@ -74,22 +85,23 @@ def test_without_lag_the_queue_changes_nothing(ray_local, tiny_straight_run, tmp
 
 @pytest.mark.ray
 def test_resumed_lagging_run_matches_the_uninterrupted_one(ray_local, tmp_path):
-    """The step after a checkpoint starts from the saved weights, in the straight run as in the
-    resumed one: steps 3 and 4 (4 sampled while 3 trained) come out the same."""
+    """Two batches in flight (rollout.policy_lag=2), a checkpoint after step 3. No batch is started ahead of
+    a step that checkpoints, so the step after it starts from the saved weights, in the straight run as in
+    the resumed one: steps 4 to 6 (5 and 6 sampled while 4 and 5 trained) come out the same."""
     # No reward workers (reward.in_driver): the rewards are scored by the same code in the driver.
-    common = {"trainer.save_every": 2, "trainer.keep_last": 5, "rollout.policy_lag": 1, "reward.in_driver": "true"}
-    train(load_config("local", tiny_overrides(tmp_path / "straight", **common, **{"trainer.total_steps": 4})))
-    train(load_config("local", tiny_overrides(tmp_path / "resumed", **common, **{"trainer.total_steps": 2})))
+    common = {"trainer.save_every": 3, "trainer.keep_last": 5, "rollout.policy_lag": 2, "reward.in_driver": "true"}
+    train(load_config("local", tiny_overrides(tmp_path / "straight", **common, **{"trainer.total_steps": 6})))
+    train(load_config("local", tiny_overrides(tmp_path / "resumed", **common, **{"trainer.total_steps": 3})))
     summary = train(
         load_config(
             "local",
-            tiny_overrides(tmp_path / "resumed", **common, **{"trainer.total_steps": 4, "trainer.resume": "auto"}),
+            tiny_overrides(tmp_path / "resumed", **common, **{"trainer.total_steps": 6, "trainer.resume": "auto"}),
         )
     )
-    assert summary["resumed_from"] == 2
+    assert summary["resumed_from"] == 3
     straight, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
-    assert [straight[s]["rollout/policy_lag"] for s in (1, 2, 3, 4)] == [0, 1, 0, 1]
-    for step in (3, 4):
+    assert [straight[s]["rollout/policy_lag"] for s in range(1, 7)] == [0, 1, 2, 0, 1, 2]
+    for step in (4, 5, 6):
         for key in ("rollout/reward_mean", "rollout/response_length", "actor/pg_loss", "rollout/is_weight_mean"):
             assert resumed[step][key] == straight[step][key], (step, key)
     for row in straight.values():

@@ -74,7 +74,7 @@ def test_a_push_waits_for_nothing_and_each_batch_sees_the_weights_pushed_before_
 
     queue.start(2, _prompts(10, 4), settings)  # generates for a second with version 0
     queue.push(ray.put({"version": 1}))
-    assert ray.wait(queue.pending.refs, num_returns=len(queue.pending.refs), timeout=0)[1], (
+    assert ray.wait(queue.generating(), num_returns=len(queue.generating()), timeout=0)[1], (
         "push waited for the batch in flight"
     )
     second = queue.take(2, _prompts(10, 4), settings)
@@ -88,6 +88,29 @@ def test_a_push_waits_for_nothing_and_each_batch_sees_the_weights_pushed_before_
     queue.start(4, _prompts(30, 4), settings)
     queue.pushed_by_actor()  # the GPU path: the actor sent the weights to the engines itself
     assert queue.take(4, _prompts(30, 4), settings).lag == 1
+
+
+def test_two_batches_in_flight_lag_two_versions_and_then_see_the_pushes(ray_local):
+    """rollout.policy_lag=2: the batches of the next two steps are started before this step's push; each
+    engine generates them in turn with the weights it has, and loads the push after them."""
+    import ray
+
+    queue, _, _ = _queue(ray, engines=2, delay=0.5)
+    settings = SamplingSettings(n=1)
+    ahead = [(_prompts(10, 2), settings), (_prompts(20, 2), settings)]
+    first = queue.take(1, _prompts(0, 2), settings, then=ahead)
+    assert first.lag == 0 and [b.step for b in queue.pending] == [2, 3] and queue.started_through(1) == 3
+    queue.push(ray.put({"version": 1}))  # step 1's update: behind batches 2 and 3 on every engine
+    second = queue.take(2, _prompts(10, 2), settings, then=[(_prompts(30, 2), settings)])  # step 4 starts
+    queue.push(ray.put({"version": 2}))
+    third = queue.take(3, _prompts(20, 2), settings)
+    fourth = queue.take(4, _prompts(30, 2), settings)
+    versions = [{c.token_ids[0] for c in got.completions} for got in (first, second, third, fourth)]
+    assert versions == [{0}, {0}, {0}, {1}]  # batch 4 started after push 1, before push 2
+    assert [got.lag for got in (first, second, third, fourth)] == [0, 1, 2, 1]
+    queue.start(7, _prompts(0, 2), settings)
+    with pytest.raises(AssertionError, match="consecutive steps"):
+        queue.start(9, _prompts(0, 2), settings)
 
 
 def test_a_failed_load_is_raised_before_its_batch_is_used(ray_local):

@@ -236,7 +236,7 @@ def test_with_policy_lag_the_nccl_push_waits_for_the_batch_in_flight(ray_local):
     ray.get([e.slow_down.remote(1.5) for e in engines])
     prompts = [PromptRecord([i], f"p{i}", "", "test") for i in range(4)]
     settings = SamplingSettings(n=1)
-    queue.take(1, prompts, settings, then=(prompts, settings))  # step 2's batch starts now
+    queue.take(1, prompts, settings, then=[(prompts, settings)])  # step 2's batch starts now
     push(after=[w.update.remote() for w in roles.actor.workers])
     step_two_done = max(max(ends) for ends in ray.get([e.generation_ends.remote() for e in engines]))
     starts = [t for rank in ray.get([w.push_starts.remote() for w in roles.actor.workers]) for t in rank]

@@ -413,10 +413,12 @@ class PromptLoader:
             self.index += len(take)
         return batch
 
-    def peek_batch(self) -> list[PromptRecord]:
-        """The batch `next_batch` will return, without moving past it."""
+    def peek_batch(self, ahead: int = 1) -> list[PromptRecord]:
+        """The batch the `ahead`-th next call of `next_batch` will return (1: the next one), without moving."""
         saved = self.epoch, self.index, self._order
         try:
+            for _ in range(ahead - 1):
+                self.next_batch()
             return self.next_batch()
         finally:
             self.epoch, self.index, self._order = saved

@@ -1,8 +1,8 @@
-"""Generation on the rollout engines, with at most one batch in flight (`rollout.policy_lag=1`), the
-batch's rewards, and the weights the engines generate with.
+"""Generation on the rollout engines, with up to `rollout.policy_lag` batches in flight, the batches'
+rewards, and the weights the engines generate with.
 
-    got = queue.take(step, prompts, settings, then=(next_prompts, next_settings))
-                              # step's batch (started earlier, or now); with `then`, the next step's starts
+    got = queue.take(step, prompts, settings, then=[(next_prompts, next_settings), ...])
+                              # step's batch (started earlier, or now); `then`: the following steps' start
     scores = got.scores()     # scored on the reward workers as each part finished
     ...update...
     queue.push(weights_ref)   # the engines load the new weights next; the previous push is checked first
@@ -16,10 +16,10 @@ checked before anything generated with its weights is used. Each engine's part o
 reward worker as soon as it is generated (Ray passes the result without the driver), so with a batch in
 flight its rewards are ready when the driver takes it.
 
-A batch started before an update is generated with the weights of the step before: `take` returns how
-many weight versions it lags behind the ones pushed since, which the driver logs and corrects with
-importance weights (`rollout.logprob_correction_cap`). With `policy_lag=0` every batch is started in
-`take` and the lag is 0.
+A batch started before an update is generated with older weights: `take` returns how many weight versions
+it lags behind the ones pushed since it started (at most `rollout.policy_lag`: the driver starts a batch at
+most that many steps ahead), which the driver logs and corrects with importance weights
+(`rollout.logprob_correction_cap`). With `policy_lag=0` every batch is started in `take` and the lag is 0.
 
 Dynamic sampling is in dynamic_sampling.py; the other half of the overlap, the updates of sent steps, in
 in_flight.py.
@@ -143,7 +143,8 @@ class RolloutQueue:
         self.score_here = score_here
         self.version = 0
         """Weight pushes so far: the version the engines hold once they have loaded them."""
-        self.pending: InFlight | None = None
+        self.pending: list[InFlight] = []
+        """The batches in flight, oldest first, for consecutive steps."""
         self.loading: tuple[list, list[str]] = ([], [])
         """The last push's calls not yet collected by `settle`, and their labels."""
 
@@ -186,22 +187,27 @@ class RolloutQueue:
         )
 
     def start(self, step: int, prompts: list[PromptRecord], settings) -> None:
-        """Start generating `step`'s batch now, after the weights pushed last."""
-        assert self.pending is None, "one batch in flight at most"
-        self.pending = self._launch(step, prompts, settings)
+        """Start generating `step`'s batch now, after the weights pushed last (and after the batches in
+        flight, which must be the steps just before it)."""
+        assert not self.pending or self.pending[-1].step == step - 1, "batches in flight are for consecutive steps"
+        self.pending.append(self._launch(step, prompts, settings))
 
-    def take(self, step: int, prompts: list[PromptRecord], settings, then: tuple | None = None) -> Rollouts:
-        """`step`'s samples: the batch in flight (it must be this step's), or generated now. `then`:
-        (prompts, settings) of step + 1, started right away, before this step's update
-        (`rollout.policy_lag=1`); None to start nothing."""
-        if self.pending is None:
+    def started_through(self, step: int) -> int:
+        """The last step whose batch is in flight; `step` (the step being run, whose batch `take` starts
+        when it is not) when none is."""
+        return self.pending[-1].step if self.pending else step
+
+    def take(self, step: int, prompts: list[PromptRecord], settings, then: list[tuple] = ()) -> Rollouts:
+        """`step`'s samples: the oldest batch in flight (it must be this step's), or generated now. `then`:
+        (prompts, settings) of the steps after the last one in flight, started right away, before this
+        step's update (`rollout.policy_lag`)."""
+        if not self.pending:
             self.start(step, prompts, settings)
-        batch = self.pending
-        self.pending = None
+        batch = self.pending.pop(0)
         if batch.step != step or batch.prompt_ids != [p.prompt_ids for p in prompts]:
             raise RuntimeError(f"step {step}: the batch in flight was started for step {batch.step} with other prompts")
-        if then is not None:
-            self.start(step + 1, *then)
+        for ahead in then:
+            self.start(self.started_through(step) + 1, *ahead)
         t0 = time.perf_counter()
         parts = self._wait("generation", batch, f"generating step {step}'s samples")
         completions = [c for part in parts for c in part]
@@ -229,8 +235,8 @@ class RolloutQueue:
         return timings
 
     def generating(self) -> list:
-        """The generate calls of the batch in flight, if any (`rollout.policy_lag=1` starts one before the update)."""
-        return list(self.pending.refs) if self.pending is not None else []
+        """The generate calls of the batches in flight, if any (`rollout.policy_lag` starts them before the update)."""
+        return [ref for batch in self.pending for ref in batch.refs]
 
     def pushed_by_actor(self) -> None:
         """The actor sent new weights to the engines itself (the GPU weight sync, weight_sync.py): a batch

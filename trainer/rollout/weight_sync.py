@@ -149,12 +149,12 @@ class WeightPush:
             WATCH.wait("actor update", list(after), actor.labels(), "the actor's update", fetch=False)
         if self.mode == "nccl":
             # Every actor rank enters collectives (FSDP's gathers, then the broadcast) as soon as its push
-            # starts, and an engine joins only after the batch it is generating (policy_lag=1 starts the next
-            # one before the update). A long generation would hold the ranks inside a collective past the NCCL
-            # watchdog's timeout; so the push starts once that batch is done (its results wait in the object
-            # store), which costs nothing: the engines could not load the weights any sooner.
+            # starts, and an engine joins only after the batches started before it (policy_lag=k starts up to
+            # k before the update). A long generation would hold the ranks inside a collective past the NCCL
+            # watchdog's timeout; so the push starts once those batches are done (their results wait in the
+            # object store), which costs nothing: the engines could not load the weights any sooner.
             generating = self.queue.generating()
-            what = "generating the batch in flight"
+            what = "generating the batches in flight"
             WATCH.wait("generation", generating, self.queue.labels[: len(generating)], what, fetch=False)
         if self.sleeps and self.neighbours:  # the update's cached blocks back to the GPU before vLLM wakes
             workers = [w for g in self.neighbours for w in g.workers]
