@@ -7,6 +7,7 @@ naming the path and the fix, before any srun)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import signal
 import socket
@@ -144,11 +145,12 @@ def test_the_fabric_rendezvous_port_is_held_from_its_choice_to_the_probes():
 # --- Slurm paths a container's mount list would split -------------------------------------------------
 
 
-def sbatch(tmp_path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """The batch script with a stand-in `srun` that prints its arguments and `scontrol` naming this host."""
+def sbatch(tmp_path, env: dict[str, str], srun: str = "printf 'srun-arg %s\\n' \"$@\"") -> subprocess.CompletedProcess:
+    """The batch script with a stand-in `srun` (by default one that prints its arguments) and `scontrol`
+    naming this host."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "srun").write_text("#!/usr/bin/env bash\nprintf 'srun-arg %s\\n' \"$@\"\n")
+    (bin_dir / "srun").write_text(f"#!/usr/bin/env bash\n{srun}\n")
     (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho localhost\n")
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
@@ -189,6 +191,33 @@ def test_a_runs_dir_the_mount_list_would_split_is_refused(tmp_path, container, n
         "or ':' (a symlink to this one will do)."
     ]
     assert "srun-arg" not in result.stdout and not runs.exists()  # refused before anything started
+
+
+@pytest.mark.parametrize("engine, as_user", [("docker", True), ("podman", False)])
+def test_docker_runs_the_node_as_the_jobs_user(tmp_path, engine, as_user):
+    """Docker's daemon runs containers as root unless told otherwise: the node container gets the job's
+    uid:gid (and a HOME it can write); rootless podman maps its root to the user and gets no --user. Here
+    `srun` runs its command and the stand-in engine records its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "engine-args"
+    stand_ins = {
+        engine: f"printf '%s\\n' \"$@\" > {record}",
+        "getent": "echo '127.0.0.1 STREAM localhost'",
+    }
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"CLOUDRL_CONTAINER": engine, "CLOUDRL_IMAGE": "img", "CLOUDRL_RUNS_DIR": str(tmp_path / "runs")}
+    result = sbatch(tmp_path, env, srun='while [[ "$1" == --* ]]; do shift; done\nexec "$@"')
+    assert result.returncode == 0, result.stderr
+    args = record.read_text().splitlines()
+    assert args[0] == "run" and "img" in args
+    if as_user:
+        at = args.index("--user")
+        assert args[at + 1 : at + 4] == [f"{os.getuid()}:{os.getgid()}", "-e", "HOME=/tmp"]
+    else:
+        assert "--user" not in args
 
 
 def test_a_checkout_path_the_mount_list_would_split_is_refused(tmp_path):
