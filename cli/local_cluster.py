@@ -13,7 +13,8 @@ the state file (`local_state.new_token_file`); the CLI sends it to this cluster'
 other address. Everything binds 127.0.0.1 where Ray allows it (the dashboard and Jobs API do), but Ray
 turns 127.0.0.1 into the machine's own IP for its node address, so the GCS, raylet, job agent and Ray
 Client ports listen on the machine's interfaces as with any `ray start`: the token is what protects
-those. Ray's Prometheus metrics ports (no code execution) stay open, as on any Ray node.
+those. No node's metrics agent exports Prometheus metrics (RAY_enable_metrics_collection=0 unless this
+shell sets it); the head's dashboard and autoscaler metrics ports (no code execution) stay open.
 
 `up(debugger="legacy")` (`cloudrl local up --debugger legacy`, docs/debugging.md) runs the nodes' workers
 with Ray's pdb, as CLOUDRL_DEBUGGER=legacy does on a bundle's nodes: a breakpoint() pauses its worker in a
@@ -323,6 +324,9 @@ def _node_env(token: str | None = None) -> dict[str, str]:
     dropped = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "CLOUDRL_DEBUGGER", "CLOUDRL_DEBUGGER_ATTACH")
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # No node's metrics agent serves Prometheus metrics on the machine's interfaces without a token (a bundle
+    # node's CLOUDRL_RAY_METRICS=off): this shell's RAY_enable_metrics_collection=1 turns it back on.
+    env.setdefault("RAY_enable_metrics_collection", "0")
     # Token auth, with this cluster's own token: without it, anyone who reaches the machine's address
     # (or any local user, through 127.0.0.1) could run code here. Set explicitly, never left to Ray's
     # default, which depends on whether ~/.ray/auth_token happens to exist.

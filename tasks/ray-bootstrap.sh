@@ -145,6 +145,14 @@ esac
 [[ -z "${CLOUDRL_DEBUGGER:-}" ]] ||
     log "warning: CLOUDRL_DEBUGGER=$CLOUDRL_DEBUGGER: a paused worker waits for a debugger that takes no token" \
         "(docs/debugging.md); restart the cluster without it when done"
+# CLOUDRL_RAY_METRICS: each node's Prometheus exporter (Ray's metrics agent) listens on every interface of a
+# node with a network address and takes no token; off unless asked for (on: Ray's default, for a Prometheus
+# that scrapes the nodes over the private network).
+case "${CLOUDRL_RAY_METRICS:-off}" in
+    off) export RAY_enable_metrics_collection=0 ;;
+    on) ;;
+    *) die "CLOUDRL_RAY_METRICS=$CLOUDRL_RAY_METRICS: use on (each node exports Ray's metrics) or off." ;;
+esac
 # CLOUDRL_RAY_RESOURCES: custom Ray resources for role pinning (`<role>.resources` in the job's config;
 # docs/slurm.md), for every node or per node by rank or host name. Checked before anything is installed.
 if [[ -n "${CLOUDRL_RAY_RESOURCES:-}" ]]; then

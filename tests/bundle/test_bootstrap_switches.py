@@ -61,8 +61,18 @@ def bootstrap(env: dict[str, str], argv: list[str] | None = None) -> subprocess.
             "[cloudrl rank 0] error: CLOUDRL_RAY_RESOURCES=rollout_node=1 is not a JSON object of resource amounts "
             "(Expecting value: line 1 column 1 (char 0))",
         ),
+        (
+            {**ONE_NODE, "CLOUDRL_RAY_METRICS": "yes"},
+            "[cloudrl rank 0] error: CLOUDRL_RAY_METRICS=yes: use on (each node exports Ray's metrics) or off.",
+        ),
     ],
-    ids=["slurm-job-but-no-dstack-inputs", "unknown-debugger", "resource-not-a-number", "resources-not-json"],
+    ids=[
+        "slurm-job-but-no-dstack-inputs",
+        "unknown-debugger",
+        "resource-not-a-number",
+        "resources-not-json",
+        "metrics",
+    ],
 )
 def test_bad_switch_stops_the_node_with_one_line(env, line):
     result = bootstrap(env)

@@ -259,6 +259,28 @@ def test_dashboard_listens_on_loopback_only(two_nodes):
     assert result.stdout.split() == ["False", "True"], result.stdout + result.stderr
 
 
+def test_no_node_exports_metrics_without_a_token_by_default(two_nodes):
+    """Ray's per-node metrics agent would serve Prometheus metrics on a port of every interface, without a
+    token; the bootstrap turns it off (CLOUDRL_RAY_METRICS=off by default): the GCS's node table lists no
+    metrics port (-1), and no node listens on one it lists."""
+    script = (  # the GCS's node table, read without a driver (a driver needs the node's own raylet socket)
+        "import json, sys\n"
+        "from ray._raylet import GcsClient\n"
+        "nodes = GcsClient(address=sys.argv[1]).get_all_node_info().values()\n"
+        "print(json.dumps([n.metrics_export_port for n in nodes]))\n"
+    )
+    gcs = f"{two_nodes.ips[0]}:{two_nodes.ray_port if isinstance(two_nodes, LoopbackCluster) else 6379}"
+    result = two_nodes.exec(0, [sys.executable, "-c", script, gcs], timeout=90, env=client_env(two_nodes))
+    assert result.returncode == 0, result.stderr
+    ports = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(ports) == len(two_nodes.ips), ports
+    listening = {
+        addr.rsplit(":", 1)[1] for rank in range(len(two_nodes.ips)) for addr in listening_tcp(two_nodes, rank)
+    }
+    exporting = [port for port in ports if port > 0 and str(port) in listening]
+    assert ports == [-1] * len(ports) and not exporting, (ports, exporting)
+
+
 def test_cloudrl_commands_authenticate_with_the_token_from_the_environment(two_nodes, tmp_path):
     # `cloudrl list` where dstack's tunnel ends (the head's loopback), with and without RAY_AUTH_TOKEN; an
     # empty HOME, so no ~/.ray/auth_token stands in for it.

@@ -287,3 +287,14 @@ def test_the_bootstrap_installs_what_the_trainer_needs_beyond_the_image():
     line = re.search(r'^TRAINER_PACKAGES="([^"]*)"', (repo / "tasks" / "ray-bootstrap.sh").read_text(), re.M)
     installed = {pair.split("=", 1)[1].lower() for pair in line.group(1).split()} | {"ray"}
     assert names - in_image - cli_only == installed, (sorted(names), sorted(installed))
+
+
+def test_local_nodes_export_no_metrics_unless_the_shell_asks(monkeypatch):
+    """A local node's metrics agent would serve Prometheus metrics on the machine's interfaces without a token
+    (tests/bundle/test_bundle_cluster.py shows the variable closes that port); the shell's own choice wins."""
+    from cloudrl.cli import local_cluster
+
+    monkeypatch.delenv("RAY_enable_metrics_collection", raising=False)
+    assert local_cluster._node_env("tok")["RAY_enable_metrics_collection"] == "0"
+    monkeypatch.setenv("RAY_enable_metrics_collection", "1")
+    assert local_cluster._node_env("tok")["RAY_enable_metrics_collection"] == "1"
