@@ -58,25 +58,32 @@ def tiny_straight_run(ray_local, tmp_path_factory):
     return train_tiny_straight_run(tmp_path_factory.mktemp("tiny-straight"))
 
 
-# Two pytest-xdist workers (README's test command: `-n 2 --dist loadgroup`): every test that starts a cluster, a
-# network namespace or a vLLM engine, or uses the session's Ray instance, runs on one worker in one group, one
-# after the other as without xdist (their module and session fixtures are shared, their CPU-bound bring-ups do
-# not compete); the tests that start none of these run beside them on the other worker.
+# Two pytest-xdist workers (README's test command: `-n 2 --dist loadgroup`). A test that starts a cluster, a
+# network namespace or a vLLM engine, or uses the session's Ray instance, runs in a group that one worker runs
+# whole, one test after the other, so what the group's tests share is made once: the session's Ray instance and
+# the tiny straight run (group "session-ray"), the CLI tests' local cluster ("cli-cluster"), a module's own
+# clusters or engines (the module's group). The two workers run two such tests at once (on 2 cores their
+# bring-ups and the trainer's steps wait on each other's processes a good part of the time), and take the tests
+# that start none of these once the groups are done.
 CLUSTER_MARKERS = ("ray", "netns", "vllm")
 CLUSTER_FIXTURES = {"ray_local", "tiny_straight_run"}
 
 
+def cluster_group(item: pytest.Item) -> str | None:
+    """The xdist group `item` runs in (see above), or None when it starts no cluster."""
+    if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return "session-ray"
+    if not any(item.get_closest_marker(name) for name in CLUSTER_MARKERS):
+        return None
+    module = item.nodeid.split("::", 1)[0]
+    return "cli-cluster" if module.startswith("tests/cli/") else module
+
+
 def pytest_itemcollected(item: pytest.Item) -> None:
     # As each test is collected, so the group is there before xdist's collection hook reads it.
-    marked = any(item.get_closest_marker(name) for name in CLUSTER_MARKERS)
-    if marked or CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
-        item.add_marker(pytest.mark.xdist_group("cluster"))
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The bundle's simulated clusters go last (each module kept whole, the rest in collection order): their
-    # give-up tests bound how long a bring-up may take, and by then the other worker's tests are done.
-    items.sort(key=lambda item: item.nodeid.startswith("tests/bundle/"))
+    group = cluster_group(item)
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 # Where the time went: pyproject.toml's addopts print the 40 slowest test phases; this adds the total per test
