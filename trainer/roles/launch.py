@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..config import TrainerConfig
 from ..errors import PlacementTimeout
 from ..hangs import WATCH
 from ..waiting import get_all
@@ -47,7 +48,7 @@ class ActorGroup:
         slots: list[Slot],
         args: tuple,
         kwargs: dict | None = None,
-        timeout_s: float = 600.0,
+        timeout_s: float = TrainerConfig.worker_timeout_s,
     ):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -38,13 +38,15 @@ from __future__ import annotations
 import math
 from typing import Literal, NamedTuple
 
+from ..config import TrainerConfig
 from ..hangs import WATCH
 from ..waiting import get_all
 from . import vllm_compat
 from .sglang_engine import WEIGHT_GROUP
 from .vllm_engine import engines_sleep, transfer_backend
 
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = TrainerConfig.worker_timeout_s
+"""Every wait on an engine, where the caller passes no trainer.worker_timeout_s (tests and benches)."""
 
 PushMode = Literal["none", "object_store", "nccl"]
 
@@ -353,7 +355,7 @@ class WeightSyncGroup:
     Built on every actor rank (FSDP gathers each full tensor collectively; rank 0 sends):
 
         group = WeightSyncGroup(model, rollout_workers, rank=rank, tensor_parallel_size=tp,
-                                backend="nccl", master_address=addr, master_port=port, timeout_s=600)
+                                backend="nccl", master_address=addr, master_port=port, timeout_s=cfg.trainer.worker_timeout_s)
         group.push()   # after every update, on every actor rank
 
     Construction blocks until every engine worker has joined (NCCL rendezvous on
