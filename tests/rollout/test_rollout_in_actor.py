@@ -18,7 +18,7 @@ from runs import tiny_overrides
 
 pytestmark = pytest.mark.ray
 
-GREEDY = SamplingSettings(max_new_tokens=6, greedy=True)
+GREEDY = SamplingSettings(n=1, max_new_tokens=6, greedy=True)
 
 
 def _big_step_setup():

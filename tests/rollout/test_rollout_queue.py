@@ -68,7 +68,7 @@ def test_a_push_waits_for_nothing_and_each_batch_sees_the_weights_pushed_before_
     import ray
 
     queue, _, _ = _queue(ray, engines=2, delay=1.0)
-    settings = SamplingSettings(n=2)
+    settings = SamplingSettings(n=2, max_new_tokens=16)
     first = queue.take(1, _prompts(0, 4), settings)
     assert first.lag == 0 and {c.token_ids[0] for c in first.completions} == {0}
 
@@ -96,7 +96,7 @@ def test_two_batches_in_flight_lag_two_versions_and_then_see_the_pushes(ray_loca
     import ray
 
     queue, _, _ = _queue(ray, engines=2, delay=0.5)
-    settings = SamplingSettings(n=1)
+    settings = SamplingSettings(n=1, max_new_tokens=16)
     ahead = [(_prompts(10, 2), settings), (_prompts(20, 2), settings)]
     first = queue.take(1, _prompts(0, 2), settings, then=ahead)
     assert first.lag == 0 and [b.step for b in queue.pending] == [2, 3] and queue.started_through(1) == 3
@@ -120,14 +120,14 @@ def test_a_failed_load_is_raised_before_its_batch_is_used(ray_local):
     ray.get(actors[1].break_loads.remote())
     queue.push(ray.put({"version": 1}))  # returns: the failure is not known yet
     with pytest.raises(ray.exceptions.RayTaskError, match="cannot take these weights"):
-        queue.generate(_prompts(0, 2), SamplingSettings(n=1))
+        queue.generate(_prompts(0, 2), SamplingSettings(n=1, max_new_tokens=16))
 
 
 def test_each_engine_part_is_scored_as_it_finishes_in_order(ray_local):
     import ray
 
     queue, _, scorers = _queue(ray, engines=3, scorers=2)
-    got = queue.take(1, _prompts(100, 6), SamplingSettings(n=2))
+    got = queue.take(1, _prompts(100, 6), SamplingSettings(n=2, max_new_tokens=16))
     assert got.scores().tolist() == [float(p) for p in range(100, 106) for _ in range(2)]
     # engine parts 0 and 2 went to the first reward worker, part 1 to the second
     assert ray.get(scorers[0].calls.remote()) == [[100, 100, 101, 101], [104, 104, 105, 105]]
@@ -158,8 +158,8 @@ def test_scored_in_the_driver_each_sample_gets_its_prompts_reward_and_its_enviro
 
     queue = RolloutQueue(engines, ["engine 0", "engine 1"], 30.0, None, score_here=score_here)
     for got in (
-        queue.take(1, _prompts(100, 4), SamplingSettings(n=2)),
-        queue.generate(_prompts(100, 4), SamplingSettings(n=2)),
+        queue.take(1, _prompts(100, 4), SamplingSettings(n=2, max_new_tokens=16)),
+        queue.generate(_prompts(100, 4), SamplingSettings(n=2, max_new_tokens=16)),
     ):
         assert got.scores().tolist() == pytest.approx([p + p / 100 for p in range(100, 104) for _ in range(2)])
     assert seen[0] == [(p, p) for p in range(100, 104) for _ in range(2)]  # each response with its own prompt
@@ -169,6 +169,6 @@ def test_a_batch_started_for_other_prompts_is_refused(ray_local):
     import ray
 
     queue, _, _ = _queue(ray, engines=1)
-    queue.start(2, _prompts(0, 2), SamplingSettings(n=1))
+    queue.start(2, _prompts(0, 2), SamplingSettings(n=1, max_new_tokens=16))
     with pytest.raises(RuntimeError, match="started for step 2 with other prompts"):
-        queue.take(2, _prompts(50, 2), SamplingSettings(n=1))
+        queue.take(2, _prompts(50, 2), SamplingSettings(n=1, max_new_tokens=16))

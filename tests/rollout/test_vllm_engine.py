@@ -26,7 +26,7 @@ pytestmark = [
 
 TEXTS = ["hello world", "abcdefgh", "0123456789", "the quick brown fox"]
 PROMPTS = ["hel", "abc", "012", "the q", "hello", "7", "xyz", "q"]
-GREEDY = SamplingSettings(max_new_tokens=16, greedy=True)
+GREEDY = SamplingSettings(n=1, max_new_tokens=16, greedy=True)
 # Both sides compute in float32; what differs is the order of the GEMM and softmax reductions
 # (oneDNN in vLLM, MKL in torch), about 1e-7 per log-prob here. A wrong temperature (0.7 vs 1)
 # or a log-prob shifted by one position is off by 0.1 or more, so 1e-4 separates the two.
@@ -145,7 +145,7 @@ def test_stop_strings_and_finish_reasons(engine, policy, prompts):
     full = engine.generate(prompts, GREEDY)
     first = next(c for c in full if len(c.token_ids) > 4)
     stop_char = tok.decode(first.token_ids[2:3])  # a character the policy will produce
-    stop = SamplingSettings(max_new_tokens=16, greedy=True, stop=[stop_char])
+    stop = SamplingSettings(n=1, max_new_tokens=16, greedy=True, stop=[stop_char])
     got = engine.generate(prompts, stop)
     assert [c.token_ids for c in got] == [c.token_ids for c in policy.generate(prompts, stop)]
     for whole, cut in zip(full, got):
@@ -159,7 +159,7 @@ def test_stop_strings_and_finish_reasons(engine, policy, prompts):
 
     eos = [c for c in full if c.token_ids[-1] == tok.eos_token_id]
     assert eos and all(c.finish_reason == "stop" for c in eos)
-    short = engine.generate(prompts, SamplingSettings(max_new_tokens=3, greedy=True))
+    short = engine.generate(prompts, SamplingSettings(n=1, max_new_tokens=3, greedy=True))
     for whole, cut in zip(full, short):
         assert cut.token_ids == whole.token_ids[:3]
         assert cut.finish_reason == ("length" if len(whole.token_ids) > 3 else whole.finish_reason)

@@ -47,20 +47,20 @@ def test_sampled_calls_reseed_once_and_send_no_per_request_seed():
     prompts = [[1, 2], [3], [4, 5, 6]]
     first, second = engine(0), engine(1)
     for e in (first, second):
-        e.generate(prompts, SamplingSettings(n=4, seed=11))
+        e.generate(prompts, SamplingSettings(n=4, max_new_tokens=16, seed=11))
     (rpc, method, (seed0,)), (call, params) = first.llm.calls
     assert (rpc, method, call) == ("collective_rpc", "cloudrl_reseed_sampler", "generate")
     assert isinstance(params, SamplingParams) and params.seed is None and params.n == 4  # one for every prompt
     seed1 = second.llm.calls[0][2][0]
     assert seed0 != seed1, "two engines splitting one batch would draw the same random numbers"
     assert 0 <= seed0 < 2**64 and 0 <= seed1 < 2**64  # what torch.manual_seed takes
-    first.generate(prompts, SamplingSettings(n=4, seed=12))
+    first.generate(prompts, SamplingSettings(n=4, max_new_tokens=16, seed=12))
     assert first.llm.calls[2][2][0] != seed0  # every step samples afresh
 
 
 def test_greedy_calls_neither_seed_nor_reseed():
     e = engine(0)
-    e.generate([[1, 2]], SamplingSettings(greedy=True))
+    e.generate([[1, 2]], SamplingSettings(n=1, max_new_tokens=16, greedy=True))
     [(call, params)] = e.llm.calls
     assert call == "generate" and params.seed is None and params.temperature == 0.0
 

@@ -340,7 +340,7 @@ def test_every_llm_call_matches_vllms_signatures(monkeypatch):
     made = []
     monkeypatch.setattr("vllm.SamplingParams", lambda **kw: made.append(kw) or SamplingParams(**kw))
     engine.generate([[1, 2]], SamplingSettings(n=2, max_new_tokens=4, top_k=3, stop=["x"], seed=1))
-    engine.generate([[1, 2]], SamplingSettings(max_new_tokens=4, greedy=True))
+    engine.generate([[1, 2]], SamplingSettings(n=1, max_new_tokens=4, greedy=True))
     fields = inspect.signature(SamplingParams).parameters
     assert made and all(set(kw) <= set(fields) for kw in made)
 

@@ -158,7 +158,7 @@ def _cluster(ray, actor_device: str, rollout_in_actor: bool = False, engine_gpus
 def _steps(ray, push, roles, queue, engines, steps: int = 2) -> list[list[str]]:
     """Rollout, release, update, push, as the driver's step does; returns each engine's calls."""
     prompts = [PromptRecord([i], f"p{i}", "", "test") for i in range(4)]
-    settings = SamplingSettings(n=1)
+    settings = SamplingSettings(n=1, max_new_tokens=16)
     for step in range(1, steps + 1):
         got = queue.take(step, prompts, settings)
         assert {c.token_ids[0] for c in got.completions} == {step - 1}, "the batch used the last pushed weights"
@@ -235,7 +235,7 @@ def test_with_policy_lag_the_nccl_push_waits_for_the_batch_in_flight(ray_local):
     push = WeightPush(_config(sleeps=False), roles, queue)
     ray.get([e.slow_down.remote(1.5) for e in engines])
     prompts = [PromptRecord([i], f"p{i}", "", "test") for i in range(4)]
-    settings = SamplingSettings(n=1)
+    settings = SamplingSettings(n=1, max_new_tokens=16)
     queue.take(1, prompts, settings, then=[(prompts, settings)])  # step 2's batch starts now
     push(after=[w.update.remote() for w in roles.actor.workers])
     step_two_done = max(max(ends) for ends in ray.get([e.generation_ends.remote() for e in engines]))

@@ -17,14 +17,18 @@ from typing import Protocol
 
 import torch
 
+from ..config import RolloutConfig
+
 
 @dataclass
 class SamplingSettings:
-    n: int = 1
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    """How an engine samples one batch: `from_config` takes rollout.*; the defaults are the same keys'."""
+
+    n: int = RolloutConfig.n
+    max_new_tokens: int = RolloutConfig.max_new_tokens
+    temperature: float = RolloutConfig.temperature
+    top_p: float = RolloutConfig.top_p
+    top_k: int = RolloutConfig.top_k
     stop: list[str] = field(default_factory=list)
     greedy: bool = False
     seed: int = 0
