@@ -1,15 +1,15 @@
-"""Where a step of a shipped preset goes: the weight sync's share, and what policy_lag=1 hides.
+"""Where a step of a shipped preset goes: the weight sync's share, and what policy_lag hides.
 
-    python bench/step_phases.py                       # the local preset, 30 steps each way, ~3 minutes on 2 cores
-    python bench/step_phases.py --preset local --steps 60 rollout.max_new_tokens=16
+    python bench/step_phases.py                       # the local preset, 30 steps each way, ~4 minutes on 2 cores
+    python bench/step_phases.py --preset local --steps 60 --lags 1 rollout.max_new_tokens=16
 
-Runs `python -m cloudrl.trainer --preset P` twice on a local Ray instance of its own, first as shipped
-(the rollout engine and the actor in turn), then with `rollout.policy_lag=1` (the engine generates the
-next batch while the actor and critic train), and prints the median of each `timing/*` phase over the
-counted steps, the weight sync's share of a step, the step time saved against the in-turn run's
-generation time, the time between two of the actor's updates (`timing/actor_between_updates`) each
-way, and the step time of the lagging run against the in-turn one. Extra KEY=VALUE arguments go to
-both runs. The first --skip steps are warm-up.
+Runs `python -m cloudrl.trainer --preset P` on a local Ray instance of its own, first as shipped (the
+rollout engine and the actor in turn), then with each `rollout.policy_lag` of --lags (default 1,2: the
+engine generates the next one or two batches while the actor and critic train), and prints the median of
+each `timing/*` phase over the counted steps, the weight sync's share of a step, the step time saved
+against the in-turn run's generation time, the time between two of the actor's updates
+(`timing/actor_between_updates`) each way, and the step time of each lagging run against the in-turn
+one. Extra KEY=VALUE arguments go to every run. The first --skip steps are warm-up.
 """
 
 from __future__ import annotations
@@ -74,36 +74,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="local")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=3, help="warm-up steps not counted (default 3)")
+    p.add_argument("--lags", default="1,2", help="rollout.policy_lag values to compare with in turn (default 1,2)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     a = p.parse_args(argv)
     if a.steps <= a.skip:
         p.error(f"--steps ({a.steps}) must be larger than --skip ({a.skip})")
+    lags = [int(k) for k in a.lags.split(",") if k.strip()]
+    if not lags or any(k < 1 for k in lags):
+        p.error(f"--lags ({a.lags}) must list policy lags of 1 or more")
     common = [f"trainer.total_steps={a.steps}", *a.overrides]
+    runs = [("in turn", []), *((f"policy_lag={k}", [f"rollout.policy_lag={k}"]) for k in lags)]
     with tempfile.TemporaryDirectory(prefix="cloudrl-phases-") as tmp:
         results = {}
-        for name, extra in (("in turn", []), ("policy_lag=1", ["rollout.policy_lag=1"])):
+        for name, extra in runs:
             print(f"[step_phases] {a.preset}, {name}: {a.steps} steps ...", flush=True)
             results[name] = medians(run(a.preset, [*common, *extra], Path(tmp) / name.replace("=", "")))
     print(f"\npreset {a.preset} {' '.join(a.overrides)}: median seconds per step over steps {a.skip + 1}-{a.steps}")
     print(f"{'phase':<22}" + "".join(f"{name:>14}" for name in results))
     for phase in PHASES:
         print(f"{phase:<22}" + "".join(f"{r[phase]:>14.4f}" for r in results.values()))
-    turn, lag = results["in turn"], results["policy_lag=1"]
-    print("(with policy_lag=1 the next step starts while the update runs, so the phases overlap and do not add up)")
+    turn = results["in turn"]
+    print("(with a policy lag the next steps start while the update runs, so the phases overlap and do not add up)")
     print(
-        f"\nweight sync share of a step, in turn: {turn['sync'] / turn['step']:.1%} (with policy_lag=1 "
+        f"\nweight sync share of a step, in turn: {turn['sync'] / turn['step']:.1%} (with a policy lag "
         f"the driver does not wait for it)"
     )
-    saved = turn["step"] - lag["step"]
-    print(
-        f"generation per step in turn (the driver waiting for the engines): {turn['rollout_wait']:.4f} s; "
-        f"step time saved with policy_lag=1: {saved:.4f} s, {saved / turn['rollout_wait']:.0%} of it"
-    )
-    print(
-        f"the actor between two updates: {turn['actor_between_updates']:.4f} s in turn, "
-        f"{lag['actor_between_updates']:.4f} s with policy_lag=1 (its other calls, log-probs and weight export, included)"
-    )
-    print(f"step time, policy_lag=1 / in turn: {lag['step'] / turn['step']:.2f}x")
+    print(f"generation per step in turn (the driver waiting for the engines): {turn['rollout_wait']:.4f} s")
+    for name, lag in list(results.items())[1:]:
+        saved = turn["step"] - lag["step"]
+        print(
+            f"{name}: step time saved {saved:.4f} s ({saved / turn['rollout_wait']:.0%} of that generation), "
+            f"the actor between two updates {lag['actor_between_updates']:.4f} s "
+            f"(in turn {turn['actor_between_updates']:.4f} s), step time / in turn {lag['step'] / turn['step']:.2f}x"
+        )
     return 0
 
 
