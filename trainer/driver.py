@@ -382,11 +382,13 @@ class Trainer:
         see its updated weights). Nothing beyond a later step that must (`must_see_weights`): the step after
         it generates with them, as a resumed run does."""
         step = self.global_step
+        last = step + self.cfg.rollout.policy_lag
+        batches = self.loader.peek_batches(last - step)  # batches[i]: step + 1 + i's prompts
         ahead = []
-        for later in range(self.rollouts.started_through(step) + 1, step + self.cfg.rollout.policy_lag + 1):
-            if any(self.must_see_weights(s) for s in range(step + 1, later)):
+        for later in range(self.rollouts.started_through(step) + 1, last + 1):
+            if later - 1 > step and self.must_see_weights(later - 1):  # earlier ones: checked when started
                 break
-            ahead.append((self.loader.peek_batch(later - step), self.sampling(later)))
+            ahead.append((batches[later - step - 1], self.sampling(later)))
         return ahead
 
     @property

@@ -339,27 +339,18 @@ def test_format_warmup_batches(tok):
     assert all(torch.equal(a, b) for a, b in zip(next(again), next(first)))
 
 
-def test_peek_batch_is_the_next_batch_without_taking_it():
-    """Across epoch boundaries (6 records, batches of 4), peeking twice then taking gives the
-    same batch, and the loader's position only moves on the take."""
+def test_peek_batches_are_the_next_batches_without_taking_them():
+    """Across epoch boundaries (6 records, batches of 4): peeking twice gives the same batches, the loader's
+    position only moves on a take, and the k-th peeked batch is the k-th taken (rollout.policy_lag=k starts
+    batches k steps ahead)."""
     loader = PromptLoader(make_records(6), batch_size=4, shuffle=True, seed=0)
-    reference = PromptLoader(make_records(6), batch_size=4, shuffle=True, seed=0)
-    for _ in range(5):
+    for taken in range(5):
         state = loader.state_dict()
-        peeked = texts(loader.peek_batch())
-        assert texts(loader.peek_batch()) == peeked
+        peeked = [texts(b) for b in loader.peek_batches(3)]
+        assert [texts(b) for b in loader.peek_batches(3)] == peeked
         assert loader.state_dict() == state
-        assert texts(loader.next_batch()) == peeked == texts(reference.next_batch())
-
-
-def test_peek_batch_looks_several_batches_ahead():
-    """rollout.policy_lag=k starts batches k steps ahead: the k-th peek is the k-th next batch, across epochs."""
-    loader = PromptLoader(make_records(6), batch_size=4, shuffle=True, seed=0)
-    reference = PromptLoader(make_records(6), batch_size=4, shuffle=True, seed=0)
-    for _ in range(3):
-        state = loader.state_dict()
-        ahead = [texts(loader.peek_batch(k)) for k in (1, 2, 3)]
-        assert loader.state_dict() == state
-        assert [texts(reference.next_batch()) for _ in range(3)] == ahead
-        for _ in range(3):
-            loader.next_batch()
+        reference = PromptLoader(make_records(6), batch_size=4, shuffle=True, seed=0)
+        for _ in range(taken):
+            reference.next_batch()
+        assert [texts(reference.next_batch()) for _ in range(3)] == peeked
+        assert texts(loader.next_batch()) == peeked[0]

@@ -413,13 +413,11 @@ class PromptLoader:
             self.index += len(take)
         return batch
 
-    def peek_batch(self, ahead: int = 1) -> list[PromptRecord]:
-        """The batch the `ahead`-th next call of `next_batch` will return (1: the next one), without moving."""
+    def peek_batches(self, count: int) -> list[list[PromptRecord]]:
+        """The batches the next `count` calls of `next_batch` will return, without moving past them."""
         saved = self.epoch, self.index, self._order
         try:
-            for _ in range(ahead - 1):
-                self.next_batch()
-            return self.next_batch()
+            return [self.next_batch() for _ in range(count)]
         finally:
             self.epoch, self.index, self._order = saved
 
