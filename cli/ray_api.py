@@ -250,7 +250,7 @@ class ClusterClient:
         except requests.exceptions.ReadTimeout:
             raise self._unreachable(f"connected, but no reply within {read_timeout:g} s") from None
         except requests.exceptions.ConnectionError as exc:
-            raise self._unreachable(_connection_reason(exc)) from None
+            raise self._unreachable(connection_reason(exc)) from None
 
     def _unreachable(self, reason: str) -> ClusterUnreachable:
         return ClusterUnreachable(
@@ -329,7 +329,7 @@ class ClusterClient:
         except ClusterUnreachable:  # from `self.jobs`'s own probe: a ConnectionError, but already one sentence
             raise
         except (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError) as exc:
-            raise self._unreachable(f"{what}: {_connection_reason(exc)}") from None
+            raise self._unreachable(f"{what}: {connection_reason(exc)}") from None
         except RuntimeError as exc:
             text = str(exc)
             if job_id and ("404" in text or "does not exist" in text):
@@ -370,7 +370,8 @@ class AuthRefused(CloudrlError):
     """The cluster wants a token this machine has not (or may not send), or rejected the one sent."""
 
 
-def _connection_reason(exc: BaseException) -> str:
+def connection_reason(exc: BaseException) -> str:
+    """What went wrong with a connection, in a few words (the start of a requests error is its URL)."""
     text = str(exc)
     for needle, reason in (
         ("Connection refused", "connection refused"),

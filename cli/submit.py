@@ -5,8 +5,10 @@ leaves nothing on the cluster. Offline first (the config, the --env names, and t
 the reward function and environment the config names, imported from the files as the job will have
 them: `check_code`), then the cluster in a few
 seconds (its dashboard answers, its Ray version equals ours, its alive nodes hold what the config
-asks for), then the upload and the job. A connection lost while the job is being created is the one
-failure that can leave a job: `submit` looks for it and removes it, or says it could not.
+asks for), then the upload and the job. A connection that fails while the job is being created is asked
+again for a bounded time (the submission id makes a job an earlier try created the one submitted); past
+the bound, it is the one failure that can leave a job: `submit` looks for it and removes it, or says it
+could not.
 
 The cluster has no cloudrl installed: the installed `cloudrl.trainer` package is copied into a temp
 `cloudrl/` directory and sent as a runtime-env `py_modules` entry, which Ray unpacks on each node
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CloudrlError
-from .ray_api import Address, ClusterClient, refusal, server_side
+from .ray_api import Address, ClusterClient, connection_reason, refusal, server_side
 from .shipping import Upload, write_zip
 
 # `python3` is what tasks/ray-bootstrap.sh installs Ray into; the local cluster puts this
@@ -333,7 +335,8 @@ def pack_upload(req: JobRequest, tmp: Path) -> tuple[Path | None, int | None]:
 
 SUBMIT_RETRY_S = 30.0
 """How long `submit` keeps asking while the cluster answers with a failure of its own (HTTP 500: on a cluster
-that has just come up, its job agent may not listen yet); past it, the error names the cluster's cause."""
+that has just come up, its job agent may not listen yet) or the connection fails (refused, reset, closed
+without a reply); past it, the error names the cause."""
 SUBMIT_RETRY_EVERY_S = 3.0
 
 
@@ -363,7 +366,7 @@ def submit(
             removed = _remove_job(jobs, req.submission_id)
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            failed = f"submitting to {client.address.url} failed ({type(exc).__name__})"
+            failed = f"submitting to {client.address.url} failed ({type(exc).__name__}: {connection_reason(exc)})"
             if removed:
                 raise CloudrlError(f"{failed}; no job was left behind: check the connection and submit again") from None
             flag = client.address.flag
@@ -375,8 +378,11 @@ def submit(
 
 def _create_job(jobs: Any, req: JobRequest, runtime_env: dict[str, Any], url: str, echo: Callable[[str], None]) -> str:
     """One job created under `req.submission_id`, asking again (up to SUBMIT_RETRY_S) while the cluster fails
-    on its side. A name that exists is refused on the first try; on a later one, it is the job an earlier
-    try created before its answer failed, so it is that job's id."""
+    on its side or the connection fails. A name that exists is refused on the first try; on a later one, it
+    is the job an earlier try created before its answer was lost, so it is that job's id. A read timeout is
+    not asked again: the request may still be running, and it has already had SUBMIT_READ_TIMEOUT_S."""
+    import requests
+
     deadline = time.monotonic() + SUBMIT_RETRY_S
     tries = 0
     while True:
@@ -388,6 +394,13 @@ def _create_job(jobs: Any, req: JobRequest, runtime_env: dict[str, Any], url: st
                 runtime_env=runtime_env,
                 metadata=req.metadata,
             )
+        except requests.exceptions.ConnectionError as exc:  # refused, reset, closed unanswered: may pass
+            if time.monotonic() + SUBMIT_RETRY_EVERY_S > deadline:
+                raise
+            if tries == 1:
+                echo(
+                    f"the connection to {url} failed ({connection_reason(exc)}); asking again for up to {SUBMIT_RETRY_S:g} s"
+                )
         except RuntimeError as exc:  # the Jobs API said no
             text = str(exc)
             if "already" in text and req.submission_id in text:

@@ -40,6 +40,7 @@ PID at its end.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -405,6 +406,18 @@ def test_a_run_lacking_the_promised_outcome_fails(tmp_path: Path) -> None:
         check_outcome(block, good, tmp_path)
 
 
+def dashboard_logs(state: dict | None) -> str:
+    """The end of the local cluster's dashboard logs, for a failed block's message: they are deleted with it."""
+    if not state or not state.get("root"):
+        return "(no local cluster was running)"
+    logs = Path(state["root"]) / "n0" / "session_latest" / "logs"
+    tails = []
+    for name in ("dashboard.log", "dashboard.err", "dashboard_JobHead.log", "dashboard_JobHead.err"):
+        with contextlib.suppress(OSError):
+            tails.append(f"--- {name}\n" + "\n".join((logs / name).read_text(errors="replace").splitlines()[-15:]))
+    return "\n".join(tails) or f"(no dashboard log in {logs})"
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(1800)  # README in CI: the full local default, then the user-job walk on its cluster
 @pytest.mark.parametrize("doc", newcomer_order(), ids=lambda d: d.relative_to(REPO).as_posix())
@@ -433,7 +446,9 @@ def test_documented_blocks_run(doc: Path, tmp_path: Path) -> None:
                 pids |= {p for node in (state or {}).get("nodes", []) for p in process_tree(node["pid"])}
             print(f"{block.where}: {time.monotonic() - started:.1f} s")
             output = result.stdout + result.stderr
-            assert result.returncode == 0, f"{block.where} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            assert result.returncode == 0, (
+                f"{block.where} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{dashboard_logs(state)}"
+            )
             assert "warning: the engines' log-probs" not in output  # trainer.gap_check passes the shipped presets
             check_outcome(block, output, checkout)
     finally:

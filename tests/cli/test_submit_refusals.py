@@ -38,6 +38,12 @@ def wrapped(agent_status: int, agent_text: str) -> str:
     )
 
 
+DROP = 0
+"""A scripted answer: the connection closes unanswered before the job is created."""
+DROP_AFTER_CREATING = 1
+"""A scripted answer: the job is created, then the connection closes unanswered."""
+
+
 class JobsApi:
     """A dashboard whose job creation answers the scripted (status, body) pairs in turn, then creates."""
 
@@ -78,6 +84,11 @@ class JobsApi:
                     return
                 if api.answers:
                     status, body = api.answers.pop(0)
+                    if status in (DROP, DROP_AFTER_CREATING):  # the connection closes without a reply
+                        if status == DROP_AFTER_CREATING:
+                            api.created.add(job)
+                        self.close_connection = True
+                        return
                     if status == 201:  # the job is created, then the answer fails on its way back
                         api.created.add(job)
                         status = 500
@@ -152,3 +163,28 @@ def test_a_name_taken_before_the_first_try_is_refused(quick_retries: None) -> No
     with pytest.raises(CloudrlError, match="a job named 'refusal-test' already exists on http://127.0.0.1:"):
         submit_to(api)
     assert api.posts == 1
+
+
+def test_a_connection_closed_unanswered_is_asked_again_and_the_job_is_created(quick_retries: None) -> None:
+    api = JobsApi([(DROP, ""), (DROP, "")])
+    job, said = submit_to(api)
+    assert job == "refusal-test" and api.posts == 3 and api.created == {job}
+    assert len(said) == 1
+    assert said[0].startswith("the connection to http://127.0.0.1:")
+    assert said[0].endswith(" failed (the connection closed without a reply); asking again for up to 3 s")
+
+
+def test_a_job_created_by_a_try_whose_connection_closed_is_that_job(quick_retries: None) -> None:
+    api = JobsApi([(DROP_AFTER_CREATING, "")])
+    job, _ = submit_to(api)
+    assert job == "refusal-test" and api.posts == 2 and api.created == {job}
+
+
+def test_a_connection_failing_past_the_bound_is_one_line(quick_retries: None) -> None:
+    api = JobsApi([(DROP, "")] * 100)
+    with pytest.raises(CloudrlError) as err:
+        submit_to(api)
+    message = str(err.value)
+    assert message.startswith("submitting to http://127.0.0.1:")
+    assert " failed (ConnectionError: the connection closed without a reply); no job was left behind" in message
+    assert "\n" not in message and 2 <= api.posts <= 16 and not api.created
