@@ -5,7 +5,9 @@ with `ray stop`, which would stop every Ray on the machine.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import time
@@ -17,9 +19,15 @@ _STARTED: list[subprocess.Popen] = []
 
 def spawn(args: list[str], log: Path, env: dict[str, str]) -> dict[str, Any]:
     """Start one node's `ray start --block` in its own session; returns its record for the state file."""
+    mark = secrets.token_hex(8)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**env, NODE_MARK: mark},
+            start_new_session=True,
         )
     import psutil
 
@@ -28,7 +36,7 @@ def spawn(args: list[str], log: Path, env: dict[str, str]) -> dict[str, Any]:
     except psutil.NoSuchProcess:
         created = 0.0
     _STARTED.append(proc)  # the node outlives this call on purpose; keep Popen from warning about it
-    return {"pid": proc.pid, "create_time": created, "log": str(log)}
+    return {"pid": proc.pid, "create_time": created, "log": str(log), "mark": mark}
 
 
 def own_process(node: dict[str, Any]) -> Any:
@@ -80,7 +88,14 @@ def foreign_listener(state: dict[str, Any], port: int) -> str | None:
     return None
 
 
-def stop_node(node: dict[str, Any], grace_s: float = 5.0) -> int:
+NODE_MARK = "CLOUDRL_NODE_MARK"
+"""The environment variable that carries a node's random mark into every process it starts, so that
+stop_node finds the ones that left its process tree and its process group too."""
+
+
+def node_processes(node: dict[str, Any]) -> list[Any]:
+    """Every live process of the node: its `ray start`, that process's descendants, and, started after it,
+    any process in its process group (its session: an orphan keeps it) or carrying its mark."""
     import psutil
 
     procs = []
@@ -90,32 +105,41 @@ def stop_node(node: dict[str, Any], grace_s: float = 5.0) -> int:
             procs = [leader] + leader.children(recursive=True)
         except psutil.Error:
             procs = [leader]
-    # Processes of this node that lost their parent are still in its process group (the leader's
-    # session); only those started after the leader can be ours.
     known = {p.pid for p in procs}
+    mark = node.get("mark")
     for p in psutil.process_iter(["pid", "create_time"]):
         try:
-            if (
-                p.pid not in known
-                and p.info["create_time"] >= node["create_time"] - 0.5
-                and os.getpgid(p.pid) == node["pid"]
-            ):
+            if p.pid in known or p.info["create_time"] < node["create_time"] - 0.5:
+                continue
+            if os.getpgid(p.pid) == node["pid"] or (mark and p.environ().get(NODE_MARK) == mark):
                 procs.append(p)
         except (psutil.Error, OSError):
             continue
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    alive = _wait_gone(procs, grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    _wait_gone(alive, 5.0)
-    return len(procs)
+    return procs
+
+
+def stop_node(node: dict[str, Any], grace_s: float = 5.0) -> int:
+    """SIGTERM every process of the node, SIGKILL what is left after `grace_s`; returns how many there were.
+    A node still starting spawns daemons while the others exit: the node is looked at again until it has
+    none left (or the grace ends), and every process that appears is signalled too."""
+    seen: set[Any] = set()  # psutil processes: equal when PID and start time are
+    for sig, bound_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        signalled: set[Any] = set()
+        deadline = time.monotonic() + bound_s
+        while True:
+            seen.update(node_processes(node))
+            alive = _wait_gone(list(seen), 0.0)
+            if not alive or time.monotonic() > deadline:
+                break
+            for p in alive:
+                if p not in signalled:
+                    signalled.add(p)
+                    with contextlib.suppress(Exception):
+                        p.send_signal(sig)
+            _wait_gone(alive, 0.5)
+        if not alive:
+            break
+    return len(seen)
 
 
 def _wait_gone(procs: list[Any], timeout_s: float) -> list[Any]:

@@ -12,7 +12,7 @@ import pytest
 import typer.main
 import typer.testing
 from cli_helpers import cli_env, free_port, local_state, processes_with_env, run_cli, silent_server
-from cloudrl.cli import jobs, local_cluster, ray_api
+from cloudrl.cli import jobs, local_cluster, node_processes, ray_api
 from cloudrl.cli import submit as sub
 from cloudrl.cli.app import app
 from cloudrl.cli.errors import CloudrlError
@@ -100,6 +100,24 @@ def test_failed_local_up_leaves_nothing_running(tmp_path: Path) -> None:
     assert local_state(tmp_path) is None
     assert (tmp_path / "local-up-failed" / "n0.log").exists()
     assert processes_with_env("CLOUDRL_TEST_MARK", mark) == []
+
+
+def test_stopping_a_node_also_stops_what_it_starts_while_it_stops(tmp_path: Path) -> None:
+    """A node still starting spawns daemons during the grace: one stays in its process group after its
+    parent exits, one leaves it (setsid). A single look before the signal sees neither; both must go."""
+    import os
+
+    mark = uuid.uuid4().hex
+    script = "trap 'setsid sleep 300 & sleep 300 & exit 0' TERM; while true; do sleep 0.1; done"
+    node = node_processes.spawn(["bash", "-c", script], tmp_path / "n0.log", {**os.environ, "CLOUDRL_TEST_MARK": mark})
+    try:
+        time.sleep(0.5)  # the trap is set
+        assert len(processes_with_env("CLOUDRL_TEST_MARK", mark)) >= 1
+        assert node_processes.stop_node(node, grace_s=3.0) >= 3  # bash, and the two sleeps it started on SIGTERM
+        assert processes_with_env("CLOUDRL_TEST_MARK", mark) == []
+    finally:
+        for pid in processes_with_env("CLOUDRL_TEST_MARK", mark):
+            os.kill(pid, 9)
 
 
 def test_default_local_cluster_fits_the_local_preset() -> None:
