@@ -117,6 +117,8 @@ class Trainer:
         critic_labels = roles.critic.labels() if cfg.uses_critic else []
         self.in_flight = StepsInFlight(self.rollouts, not cfg.rollout.policy_lag, roles.actor.labels(), critic_labels)
         self.push_weights = WeightPush(cfg, roles, self.rollouts)
+        if self.push_weights.engines_replaceable:  # a lost engine costs no restart (docs/recovery.md)
+            self.rollouts.replace_lost_engines(roles.rollout)
         print(self.push_weights.describe(cfg), flush=True)
         self.env_failures = FailureReport()
         """rollout.environment's failures: the first of each kind printed, a batch that all failed stops the run."""

@@ -1,10 +1,12 @@
 """The rollout queue on a real Ray instance, with small engine and reward actors that record what they
 were given: a push does not wait for the batch in flight, every batch sees exactly the weights pushed
 before it started, a failed load is raised before anything generated after it is used, and each
-engine's part is scored by a reward worker without passing through the driver."""
+engine's part is scored by a reward worker without passing through the driver; an engine whose process dies
+costs its batch nothing (its prompts go to the engines left) and is replaced at the next push."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -26,10 +28,12 @@ class Engine:
         self.version, self.delay, self.fail_loads = 0, delay, False
 
     def generate(self, prompts, settings):
+        self._maybe_die("generate")
         time.sleep(self.delay)
         return [Completion([self.version, p[0]], [0.0, 0.0], "stop") for p in prompts for _ in range(settings.n)]
 
     def load_weights(self, weights):
+        self._maybe_die("load_weights")
         if self.fail_loads:
             raise ValueError("engine cannot take these weights")
         self.version = weights["version"]
@@ -37,6 +41,41 @@ class Engine:
 
     def break_loads(self):
         self.fail_loads = True
+
+    def die_on(self, call: str):
+        """The process exits (as an engine killed by OOM, or on a lost node) at its next `call`."""
+        self.dies_on = call
+
+    def where(self):
+        return {"ip": "127.0.0.1", "node_id": "n", "pid": os.getpid(), "device": "cpu"}
+
+    def _maybe_die(self, call: str):
+        if getattr(self, "dies_on", None) == call:
+            os._exit(1)
+
+
+class UnstartableEngine(Engine):
+    """A new engine on a node that lacks the model: it raises its start error from its first call."""
+
+    def where(self):
+        from cloudrl.trainer.errors import ModelLoadError
+
+        raise ModelLoadError("builtin:tiny was not staged on node 1234abcd (spot-7)")
+
+
+class EngineGroup:
+    """The rollout ActorGroup's part the queue uses to replace a lost engine: a new Engine in its slot."""
+
+    def __init__(self, ray, workers, new=Engine):
+        self.ray, self.workers, self.respawned, self.new = ray, workers, [], new
+
+    def respawn(self, rank):
+        self.respawned.append(rank)
+        self.workers[rank] = self.ray.remote(self.new).remote()
+        return self.workers[rank]
+
+    def placed(self, rank, place):
+        return f"engine {rank} (replacement)"
 
 
 class Scorer:
@@ -172,3 +211,77 @@ def test_a_batch_started_for_other_prompts_is_refused(ray_local):
     queue.start(2, _prompts(0, 2), SamplingSettings(n=1, max_new_tokens=16))
     with pytest.raises(RuntimeError, match="started for step 2 with other prompts"):
         queue.take(2, _prompts(50, 2), SamplingSettings(n=1, max_new_tokens=16))
+
+
+def test_a_lost_engines_prompts_go_to_the_others_and_a_new_engine_joins_at_the_next_push(ray_local):
+    import ray
+
+    queue, actors, scorers = _queue(ray, engines=3, scorers=2)
+    group = EngineGroup(ray, list(actors))
+    queue.replace_lost_engines(group)
+    settings = SamplingSettings(n=2, max_new_tokens=16)
+    ray.get(actors[1].die_on.remote("generate"))
+    got = queue.take(1, _prompts(100, 9), settings)
+    # every prompt's samples, in order, scored against their own prompt, as with no loss
+    assert [c.token_ids[1] for c in got.completions] == [p for p in range(100, 109) for _ in range(2)]
+    assert got.scores().tolist() == [float(p) for p in range(100, 109) for _ in range(2)]
+    assert got.requeued == 3 and got.engines_alive == 2 and group.respawned == [1]
+    assert got.metrics(torch.ones(18, 1))["rollout/engines_alive"] == 2
+
+    ray.get(group.workers[1].where.remote())  # the replacement has started
+    queue.push(ray.put({"version": 1}))
+    second = queue.take(2, _prompts(200, 9), settings)
+    assert second.engines_alive == 3 and second.requeued == 0
+    assert {c.token_ids[0] for c in second.completions} == {1}  # the new engine got the push before its part
+    assert [c.token_ids[1] for c in second.completions] == [p for p in range(200, 209) for _ in range(2)]
+
+
+def test_an_engine_lost_while_loading_weights_is_replaced_and_the_push_goes_on(ray_local):
+    import ray
+
+    queue, actors, _ = _queue(ray, engines=2)
+    queue.replace_lost_engines(EngineGroup(ray, list(actors)))
+    ray.get(actors[0].die_on.remote("load_weights"))
+    queue.push(ray.put({"version": 1}))
+    assert queue.settle() == {"timing/engine_weight_wait": 0.0, "timing/engine_load": 0.0}
+    got = queue.generate(_prompts(0, 4), SamplingSettings(n=1, max_new_tokens=16))
+    assert got.engines_alive == 1 and {c.token_ids[0] for c in got.completions} == {1}
+
+
+def test_without_replacement_or_with_no_engine_left_a_loss_is_raised(ray_local):
+    """Where engines are not replaced (an NCCL group, sleeping engines) a loss goes to the restart as before;
+    so does the loss of the last engine."""
+    import ray
+
+    settings = SamplingSettings(n=1, max_new_tokens=16)
+    queue, actors, _ = _queue(ray, engines=2)
+    ray.get(actors[0].die_on.remote("generate"))
+    with pytest.raises(ray.exceptions.RayActorError):
+        queue.take(1, _prompts(0, 4), settings)
+
+    queue, actors, _ = _queue(ray, engines=2)
+    queue.replace_lost_engines(EngineGroup(ray, list(actors)))
+    for actor in actors:
+        ray.get(actor.die_on.remote("generate"))
+    with pytest.raises(ray.exceptions.RayActorError):
+        queue.take(1, _prompts(0, 4), settings)
+
+
+def test_a_new_engine_that_cannot_start_is_named_once_and_the_run_goes_on(ray_local, capsys):
+    import ray
+
+    queue, actors, _ = _queue(ray, engines=2)
+    group = EngineGroup(ray, list(actors), new=UnstartableEngine)
+    queue.replace_lost_engines(group)
+    settings = SamplingSettings(n=1, max_new_tokens=16)
+    ray.get(actors[1].die_on.remote("generate"))
+    assert len(queue.take(1, _prompts(0, 4), settings).completions) == 4
+    ray.wait([group.workers[1].where.remote()], timeout=30)
+    queue.push(ray.put({"version": 1}))
+    got = queue.take(2, _prompts(0, 4), settings)
+    assert got.engines_alive == 1 and {c.token_ids[0] for c in got.completions} == {1}
+    assert group.respawned == [1]  # a start error would come again: not tried again
+    assert (
+        "the new engine for engine 1 could not start: builtin:tiny was not staged on node 1234abcd (spot-7); the run "
+        "goes on with 1 engine(s)" in capsys.readouterr().out
+    )

@@ -9,6 +9,7 @@ groups and shard. `Roles.shutdown()` kills every actor and removes every group i
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -51,26 +52,48 @@ class ActorGroup:
         timeout_s: float = TrainerConfig.worker_timeout_s,
     ):
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name, self.timeout_s = name, timeout_s
-        remote_cls = ray.remote(worker_cls)
-        self.workers = []
-        for rank, slot in enumerate(slots):
-            env = network_env()
-            if slot.visible_gpus is not None:
-                env["CUDA_VISIBLE_DEVICES"] = slot.visible_gpus
-            self.workers.append(
-                remote_cls.options(
-                    num_cpus=slot.cpus,
-                    num_gpus=slot.gpus,
-                    resources=slot.resources,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot.bundle),
-                    runtime_env={"env_vars": env} if env else None,
-                    max_concurrency=1,
-                ).remote(*args, rank=rank, world_size=len(slots), **(kwargs or {}))
-            )
+        self._remote_cls = ray.remote(worker_cls)
+        self._pg, self._slots, self._args, self._kwargs = pg, slots, args, kwargs or {}
+        self.workers = [self._start(rank) for rank in range(len(slots))]
         self.places: list[dict] = []
+
+    def _start(self, rank: int):
+        """A new worker for `rank`, in its slot of the placement group."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        slot = self._slots[rank]
+        env = network_env()
+        if slot.visible_gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = slot.visible_gpus
+        return self._remote_cls.options(
+            num_cpus=slot.cpus,
+            num_gpus=slot.gpus,
+            resources=slot.resources,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=slot.bundle),
+            runtime_env={"env_vars": env} if env else None,
+            max_concurrency=1,
+        ).remote(*self._args, rank=rank, world_size=len(self._slots), **self._kwargs)
+
+    def respawn(self, rank: int):
+        """Rank `rank` again, in a new worker in the same slot (Ray moves a lost node's share of the placement
+        group to a node with room, and the worker starts once it has); the old worker is killed. For workers
+        that hold no training state: the rollout engines (`RolloutQueue.replace_lost_engines`)."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.workers[rank])
+        self.workers[rank] = self._start(rank)
+        return self.workers[rank]
+
+    def placed(self, rank: int, place: dict) -> str:
+        """A respawned worker's `where()`: recorded for messages and the hang watch; returns its label."""
+        if self.places:
+            self.places[rank] = place
+        label = self.labels()[rank]
+        WATCH.register([label], [place])
+        return label
 
     @property
     def world_size(self) -> int:

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..algo.batch import from_wire, split_evenly
+from ..errors import first_line
 from ..hangs import WATCH
-from ..waiting import get_all
+from ..waiting import get_all, trainer_error_in
 from .engines import generation_throughput, object_store_push
 from .environment import environment_rewards
 from .multiturn import turn_metrics
@@ -63,6 +64,10 @@ class Rollouts:
     """The engines' generation speed (engines.generation_throughput); {} where not measured."""
     score_labels: list[str] = field(default_factory=list)
     """The reward worker of each of `score_refs` (`reward rank 0 on 10.0.0.2`), for the hang watch."""
+    requeued: int = 0
+    """Prompts generated again on the other engines because the engine generating them was lost."""
+    engines_alive: int = 0
+    """Engines generating when the batch was taken (a lost one's replacement counts once it has weights)."""
 
     def scores(self, reward_function: str = "", timeout_s: float = 0.0):
         """The rewards [N], in the completions' order: the reward workers' (waiting for each part at most
@@ -92,6 +97,9 @@ class Rollouts:
             "rollout/response_length": float(response_mask.sum(-1).mean()),
             "rollout/truncated": sum(c.finish_reason == "length" for c in self.completions) / len(self.completions),
             "rollout/policy_lag": self.lag,
+            "rollout/samples": len(self.completions),
+            "rollout/engines_alive": self.engines_alive,
+            "rollout/requeued_prompts": self.requeued,
             **turn_metrics(self.completions),
             **self.generation,
         }
@@ -111,6 +119,11 @@ def sample_row(record: PromptRecord) -> dict:
 class InFlight:
     step: int
     prompt_ids: list[list[int]]
+    settings: object
+    """The SamplingSettings it was started with (a lost engine's part is generated again with them)."""
+    parts: list[list]
+    """The prompts of each part, in order: the part of engine `engine_ids[j]`, generating as `refs[j]`."""
+    engine_ids: list[int]
     refs: list
     score_refs: list | None
     version: int
@@ -121,6 +134,12 @@ class InFlight:
     """The reward worker scoring each engine's part."""
     sent: float
     """time.monotonic() when the calls were sent (the hang watch counts from then)."""
+    requeued: int = 0
+    """Prompts sent again to other engines after their engine was lost."""
+
+
+REPLACEMENTS_PER_ENGINE = 3
+"""How many times one engine is replaced after a loss in one start of the run; past it, it stays lost."""
 
 
 class RolloutQueue:
@@ -137,7 +156,8 @@ class RolloutQueue:
         """`scorers`: the reward workers, which score each engine's part as it finishes; None when
         the driver scores (reward.in_driver) with `score_here`. `samples`: the engines get each prompt's
         dataset row too (rollout.environment's `reset(sample)`)."""
-        self.engines, self.labels, self.timeout_s, self.scorers = engines, labels, timeout_s, scorers
+        self.engines, self.labels = list(engines), list(labels)
+        self.timeout_s, self.scorers = timeout_s, scorers
         self.scorer_labels = list(scorer_labels) or [f"reward worker {i}" for i in range(len(scorers or []))]
         self.samples = samples
         self.score_here = score_here
@@ -145,35 +165,165 @@ class RolloutQueue:
         """Weight pushes so far: the version the engines hold once they have loaded them."""
         self.pending: list[InFlight] = []
         """The batches in flight, oldest first, for consecutive steps."""
-        self.loading: tuple[list, list[str]] = ([], [])
-        """The last push's calls not yet collected by `settle`, and their labels."""
+        self.loading: tuple[list, list[str], list[int]] = ([], [], [])
+        """The last push's calls not yet collected by `settle`, their labels, and the engines of the first ones."""
+        self.group = None
+        """The rollout engines' ActorGroup where a lost engine is replaced (`replace_lost_engines`), else None."""
+        self.lost: dict[int, float] = {}
+        """Engines lost and not back: index -> time.monotonic() of the loss."""
+        self.joining: dict[int, tuple] = {}
+        """Replacements being started: index -> (the new actor, its `where` call)."""
+        self.replaced: dict[int, int] = {}
+        """Replacements started so far, per engine."""
+
+    def replace_lost_engines(self, group) -> None:
+        """From now on, an engine that dies (its process or its node) costs no restart: its part of a batch
+        is generated again by the engines left, and a new engine is started in its slot (`group.respawn`),
+        which generates from the first push after it has started. Only where the weights travel through the
+        object store with `push` (an NCCL group cannot lose a member)."""
+        self.group = group
+
+    def alive(self) -> list[int]:
+        """The engines that generate: not lost (a replacement counts from the push that gave it weights)."""
+        return [e for e in range(len(self.engines)) if e not in self.lost]
+
+    def _send(self, engine: int, chunk: list[PromptRecord], settings, part: int) -> tuple:
+        """Engine `engine` generates `chunk`; returns its call, and the scoring call and scorer label (or None)."""
+        handle = self.engines[engine]
+        ids = [p.prompt_ids for p in chunk]
+        if self.samples:
+            ref = handle.generate.remote(ids, settings, [sample_row(p) for p in chunk])
+        else:
+            ref = handle.generate.remote(ids, settings)
+        if not self.scorers:
+            return ref, None, None
+        scorer = part % len(self.scorers)
+        records = [p for p in chunk for _ in range(settings.n)]
+        return ref, self.scorers[scorer].score.remote(ref, records), self.scorer_labels[scorer]
 
     def _launch(self, step: int, prompts: list[PromptRecord], settings) -> InFlight:
         sent = time.monotonic()
-        chunks = [c for c in split_evenly(prompts, len(self.engines)) if c]
-        if self.samples:
-            refs = [
-                e.generate.remote([p.prompt_ids for p in chunk], settings, [sample_row(p) for p in chunk])
-                for e, chunk in zip(self.engines, chunks)
-            ]
-        else:
-            refs = [
-                e.generate.remote([p.prompt_ids for p in chunk], settings) for e, chunk in zip(self.engines, chunks)
-            ]
-        score_refs, score_labels = None, []
-        if self.scorers:
-            score_refs = [
-                self.scorers[i % len(self.scorers)].score.remote(ref, [p for p in chunk for _ in range(settings.n)])
-                for i, (ref, chunk) in enumerate(zip(refs, chunks))
-            ]
-            score_labels = [self.scorer_labels[i % len(self.scorers)] for i in range(len(refs))]
+        engines = self.alive()
+        if not engines:
+            raise RuntimeError("every rollout engine was lost and none is back yet")
+        placed = [(e, c) for e, c in zip(engines, split_evenly(prompts, len(engines))) if c]
+        calls = [self._send(e, chunk, settings, j) for j, (e, chunk) in enumerate(placed)]
+        score_refs = [c[1] for c in calls] if self.scorers else None
         records = [p for p in prompts for _ in range(settings.n)]
         prompt_ids = [p.prompt_ids for p in prompts]
-        return InFlight(step, prompt_ids, refs, score_refs, self.version, records, score_labels, sent)
+        return InFlight(
+            step,
+            prompt_ids,
+            settings,
+            [chunk for _, chunk in placed],
+            [e for e, _ in placed],
+            [c[0] for c in calls],
+            score_refs,
+            self.version,
+            records,
+            [c[2] for c in calls] if self.scorers else [],
+            sent,
+        )
 
     def _wait(self, phase: str, batch: InFlight, what: str) -> list:
-        """The engines' parts of `batch`, within the hang watch's bound for `phase` (hangs.py)."""
-        return WATCH.wait(phase, batch.refs, self.labels[: len(batch.refs)], what, started=batch.sent)
+        """The engines' parts of `batch`, within the hang watch's bound for `phase` (hangs.py). Where lost
+        engines are replaced, a part whose engine died is generated again by the engines left."""
+        from ray.exceptions import RayActorError
+
+        while True:
+            labels = [self.labels[e] for e in batch.engine_ids]
+            try:
+                return WATCH.wait(phase, batch.refs, labels, what, started=batch.sent)
+            except RayActorError as exc:
+                lost = self._lost_parts(batch) if self.group is not None else []
+                if not lost:
+                    raise
+                for e in sorted({batch.engine_ids[j] for j in lost}):
+                    self._engine_lost(e, exc)
+                if not self.alive():
+                    raise
+                self._requeue(batch, lost, what)
+
+    def _lost_parts(self, batch: InFlight) -> list[int]:
+        """The parts of `batch` that ended with their engine's death."""
+        return [j for j, ref in enumerate(batch.refs) if died(ref)]
+
+    def _requeue(self, batch: InFlight, lost: list[int], what: str) -> None:
+        """Parts `lost` of `batch` split over the engines left, each in its part's place (the samples keep
+        their order); the hang watch counts from now for the batch."""
+        engines = self.alive()
+        count = sum(len(batch.parts[j]) for j in lost)
+        for j in sorted(lost, reverse=True):
+            chunk = batch.parts[j]
+            placed = [(e, c) for e, c in zip(engines, split_evenly(chunk, len(engines))) if c]
+            calls = [self._send(e, c, batch.settings, j + k) for k, (e, c) in enumerate(placed)]
+            batch.parts[j : j + 1] = [c for _, c in placed]
+            batch.engine_ids[j : j + 1] = [e for e, _ in placed]
+            batch.refs[j : j + 1] = [c[0] for c in calls]
+            if batch.score_refs is not None:
+                batch.score_refs[j : j + 1] = [c[1] for c in calls]
+                batch.score_labels[j : j + 1] = [c[2] for c in calls]
+        batch.requeued += count
+        batch.sent = time.monotonic()
+        print(
+            f"{what}: {count} prompts of the lost engine(s) go to the {len(engines)} engine(s) left",
+            flush=True,
+        )
+
+    def _engine_lost(self, engine: int, exc: BaseException) -> None:
+        """Engine `engine` died: one line, and a replacement started in its slot (bounded per engine)."""
+        if engine in self.lost:
+            return
+        self.lost[engine] = time.monotonic()
+        cause = first_line(str(exc))[:200]
+        tries = self.replaced.get(engine, 0)
+        if tries >= REPLACEMENTS_PER_ENGINE:
+            print(
+                f"{self.labels[engine]} was lost ({cause}); it was replaced {tries} times already: the run goes "
+                f"on with {len(self.alive())} engine(s)",
+                flush=True,
+            )
+            return
+        self.replaced[engine] = tries + 1
+        left = f"{self.labels[engine]} was lost ({cause}): the run goes on with {len(self.alive())} engine(s)"
+        try:
+            handle = self.group.respawn(engine)
+        except Exception as start_exc:  # Ray refused the new actor (its placement group gone): the run goes on
+            print(f"{left}; no new engine could be started: {first_line(str(start_exc))[:200]}", flush=True)
+            return
+        self.joining[engine] = (handle, handle.where.remote())
+        print(f"{left}; a new engine is starting in its place", flush=True)
+
+    def _admit_replacements(self) -> None:
+        """Replacements that have started join the engines now, before the push that gives them weights
+        (an engine runs its calls in order, so it loads them before anything it is sent to generate)."""
+        import ray
+
+        for engine, (handle, ready) in list(self.joining.items()):
+            if not ray.wait([ready], timeout=0)[0]:
+                continue
+            del self.joining[engine]
+            try:
+                place = ray.get(ready, timeout=0)
+            except Exception as exc:
+                cause = trainer_error_in(exc)
+                if cause is not None:  # it cannot start there (no model on its node, ...): again would fail alike
+                    print(
+                        f"the new engine for {self.labels[engine]} could not start: {first_line(str(cause))[:300]}; "
+                        f"the run goes on with {len(self.alive())} engine(s)",
+                        flush=True,
+                    )
+                    continue
+                self.lost.pop(engine, None)  # it died starting: another one (bounded per engine)
+                self._engine_lost(engine, exc)
+                continue
+            self.engines[engine] = handle
+            self.labels[engine] = self.group.placed(engine, place)
+            print(
+                f"{self.labels[engine]} is back {time.monotonic() - self.lost.pop(engine):.0f} s after the loss: "
+                f"it generates from the next batch, with the weights pushed now",
+                flush=True,
+            )
 
     def generate(
         self, prompts: list[PromptRecord], settings, phase: str = "generation", what: str = "generating samples"
@@ -183,7 +333,15 @@ class RolloutQueue:
         completions = [c for part in self._wait(phase, batch, what) for c in part]
         self.settle()
         return Rollouts(
-            completions, 0, 0.0, batch.score_refs, batch.records, self.score_here, score_labels=batch.score_labels
+            completions,
+            0,
+            0.0,
+            batch.score_refs,
+            batch.records,
+            self.score_here,
+            score_labels=batch.score_labels,
+            requeued=batch.requeued,
+            engines_alive=len(self.alive()),
         )
 
     def start(self, step: int, prompts: list[PromptRecord], settings) -> None:
@@ -222,6 +380,8 @@ class RolloutQueue:
             self.score_here,
             generation_throughput(parts),
             batch.score_labels,
+            batch.requeued,
+            len(self.alive()),
         )
 
     def push(self, weights, others: list = (), other_labels: list[str] = ()) -> dict[str, float]:
@@ -229,8 +389,12 @@ class RolloutQueue:
         `others`: calls the push depends on that `settle` checks as well (the other actor ranks'
         part in gathering the weights). Returns `settle()` of the previous push."""
         timings = self.settle()
-        refs = [e.load_weights.remote(weights) for e in self.engines]
-        self.loading = (refs + list(others), [*self.labels, *other_labels])
+        if self.joining:
+            self._admit_replacements()
+        engines = self.alive()
+        refs = [self.engines[e].load_weights.remote(weights) for e in engines]
+        labels = [self.labels[e] for e in engines]
+        self.loading = (refs + list(others), [*labels, *other_labels], engines)
         self.version += 1
         return timings
 
@@ -248,12 +412,12 @@ class RolloutQueue:
         time an engine sat idle between finishing its batch and getting the weights
         (`timing/engine_weight_wait`) and the longest load (`timing/engine_load`); {} if nothing was
         pushed since the last call."""
-        refs, labels = self.loading
+        refs, labels, engines = self.loading
         if not refs:
             return {}
-        self.loading = ([], [])
-        results = get_all(refs, labels, self.timeout_s, "the weight sync")
-        loads = [r for r in results[: len(self.engines)] if r]
+        self.loading = ([], [], [])
+        results = self._loads(refs, labels, engines)
+        loads = [r for r in results[: len(engines)] if r]
         if not loads:
             return {}
         return {
@@ -261,3 +425,46 @@ class RolloutQueue:
             "timing/engine_load": max(r["load_s"] for r in loads),
             **object_store_push(loads),  # timing/push_gather, perf/push_gb_per_s
         }
+
+    def _loads(self, refs: list, labels: list[str], engines: list[int]) -> list:
+        """The push's calls' results (the first ones the engines' loads); where lost engines are replaced,
+        an engine that died is marked lost (None in its place) instead of failing the run."""
+        from ray.exceptions import RayActorError
+
+        results: list = [None] * len(refs)
+        waiting = list(range(len(refs)))
+        while waiting:
+            try:
+                got = get_all(
+                    [refs[i] for i in waiting], [labels[i] for i in waiting], self.timeout_s, "the weight sync"
+                )
+            except RayActorError as exc:
+                dead = [i for i in waiting if i < len(engines) and died(refs[i])]
+                if self.group is None or not dead:
+                    raise
+                for i in dead:
+                    self._engine_lost(engines[i], exc)
+                waiting = [i for i in waiting if i not in dead]
+                if not self.alive():
+                    raise
+                continue
+            for i, result in zip(waiting, got):
+                results[i] = result
+            return results
+        return results
+
+
+def died(ref) -> bool:
+    """Whether the call `ref` has ended with its actor's death (not with an error of its own)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    if not ray.wait([ref], timeout=0)[0]:
+        return False
+    try:
+        ray.get(ref, timeout=0)
+    except RayActorError:
+        return True
+    except Exception:
+        return False
+    return False

@@ -95,6 +95,13 @@ class WeightPush:
         actor_on_cuda = roles.actor.where()[0]["device"].startswith("cuda")
         return push_mode(cfg, actor_on_cuda, roles.engine_gpus)
 
+    @property
+    def engines_replaceable(self) -> bool:
+        """Whether a lost engine can be replaced mid-run: the weights reach the engines through the object
+        store, from the queue, and no engine sleeps. An NCCL group cannot lose a member, and sleeping engines
+        share the trainers' GPUs (a lost one is a lost training node): both go through recovery.py's restart."""
+        return self.mode == "object_store" and not self.sleeps
+
     def describe(self, cfg) -> str:
         """The line a run prints once at start: how the weights reach the engines."""
         if self.mode == "none":
