@@ -132,9 +132,7 @@ def test_trainers_release_cached_memory_before_the_engines_wake(log):
         rollout_in_actor=False,
         engine_gpus=2.0,
     )
-    queue = SimpleNamespace(
-        pushed_by_actor=lambda: log.append("queue.pushed_by_actor"), generating=lambda: [], labels=["e0", "e1"]
-    )
+    queue = SimpleNamespace(pushed_by_actor=lambda: log.append("queue.pushed_by_actor"), generating=lambda: ([], []))
     push = WeightPush(colocated(), roles, queue)
     assert push.mode == "nccl" and push.sleeps
     log.clear()
@@ -163,7 +161,7 @@ def test_engines_on_their_own_gpus_release_nothing(log):
     )
     cfg = load_config("local", ["rollout.engine=vllm", "actor.gpus_per_node=1", "rollout.gpus_per_engine=1"])
     cfg.rollout.sleep_between_rollouts = True
-    queue = SimpleNamespace(pushed_by_actor=lambda: None, generating=lambda: [], labels=["e0"])
+    queue = SimpleNamespace(pushed_by_actor=lambda: None, generating=lambda: ([], []))
     WeightPush(cfg, roles, queue)(after=[])
     assert not [c for c in log if c.endswith("release_memory")]
 

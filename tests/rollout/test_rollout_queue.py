@@ -74,8 +74,12 @@ class EngineGroup:
         self.workers[rank] = self.ray.remote(self.new).remote()
         return self.workers[rank]
 
+    def grow(self):
+        self.workers.append(self.ray.remote(self.new).remote())
+        return self.workers[-1]
+
     def placed(self, rank, place):
-        return f"engine {rank} (replacement)"
+        return f"engine {rank} (new)"
 
 
 class Scorer:
@@ -113,9 +117,9 @@ def test_a_push_waits_for_nothing_and_each_batch_sees_the_weights_pushed_before_
 
     queue.start(2, _prompts(10, 4), settings)  # generates for a second with version 0
     queue.push(ray.put({"version": 1}))
-    assert ray.wait(queue.generating(), num_returns=len(queue.generating()), timeout=0)[1], (
-        "push waited for the batch in flight"
-    )
+    generating, labels = queue.generating()
+    assert labels == ["engine 0", "engine 1"]
+    assert ray.wait(generating, num_returns=len(generating), timeout=0)[1], "push waited for the batch in flight"
     second = queue.take(2, _prompts(10, 4), settings)
     assert second.lag == 1 and {c.token_ids[0] for c in second.completions} == {0}
 
@@ -218,7 +222,7 @@ def test_a_lost_engines_prompts_go_to_the_others_and_a_new_engine_joins_at_the_n
 
     queue, actors, scorers = _queue(ray, engines=3, scorers=2)
     group = EngineGroup(ray, list(actors))
-    queue.replace_lost_engines(group)
+    queue.engines.replace_lost(group)
     settings = SamplingSettings(n=2, max_new_tokens=16)
     ray.get(actors[1].die_on.remote("generate"))
     got = queue.take(1, _prompts(100, 9), settings)
@@ -240,7 +244,7 @@ def test_an_engine_lost_while_loading_weights_is_replaced_and_the_push_goes_on(r
     import ray
 
     queue, actors, _ = _queue(ray, engines=2)
-    queue.replace_lost_engines(EngineGroup(ray, list(actors)))
+    queue.engines.replace_lost(EngineGroup(ray, list(actors)))
     ray.get(actors[0].die_on.remote("load_weights"))
     queue.push(ray.put({"version": 1}))
     assert queue.settle() == {"timing/engine_weight_wait": 0.0, "timing/engine_load": 0.0}
@@ -260,7 +264,7 @@ def test_without_replacement_or_with_no_engine_left_a_loss_is_raised(ray_local):
         queue.take(1, _prompts(0, 4), settings)
 
     queue, actors, _ = _queue(ray, engines=2)
-    queue.replace_lost_engines(EngineGroup(ray, list(actors)))
+    queue.engines.replace_lost(EngineGroup(ray, list(actors)))
     for actor in actors:
         ray.get(actor.die_on.remote("generate"))
     with pytest.raises(ray.exceptions.RayActorError):
@@ -272,7 +276,7 @@ def test_a_new_engine_that_cannot_start_is_named_once_and_the_run_goes_on(ray_lo
 
     queue, actors, _ = _queue(ray, engines=2)
     group = EngineGroup(ray, list(actors), new=UnstartableEngine)
-    queue.replace_lost_engines(group)
+    queue.engines.replace_lost(group)
     settings = SamplingSettings(n=1, max_new_tokens=16)
     ray.get(actors[1].die_on.remote("generate"))
     assert len(queue.take(1, _prompts(0, 4), settings).completions) == 4
@@ -284,4 +288,50 @@ def test_a_new_engine_that_cannot_start_is_named_once_and_the_run_goes_on(ray_lo
     assert (
         "the new engine for engine 1 could not start: builtin:tiny was not staged on node 1234abcd (spot-7); the run "
         "goes on with 1 engine(s)" in capsys.readouterr().out
+    )
+
+
+def test_an_added_engine_joins_at_a_push_and_gets_every_later_one(ray_local, capsys):
+    """rollout.elastic: one more engine is asked for at each push while there are fewer than max_engines; it
+    joins at the first push after it has started, loading those weights before its first part."""
+    import ray
+
+    queue, actors, _ = _queue(ray, engines=1)
+    group = EngineGroup(ray, list(actors))
+    queue.engines.replace_lost(group)
+    queue.engines.grow_to(3)
+    settings = SamplingSettings(n=1, max_new_tokens=16)
+    assert queue.take(1, _prompts(0, 4), settings).engines_alive == 1
+    queue.push(ray.put({"version": 1}))  # asks for engine 1
+    assert len(group.workers) == 2 and queue.take(2, _prompts(0, 4), settings).engines_alive == 1
+    ray.get(group.workers[1].where.remote())
+    queue.push(ray.put({"version": 2}))  # engine 1 joins (and engine 2 is asked for)
+    got = queue.take(3, _prompts(0, 4), settings)
+    assert got.engines_alive == 2 and {c.token_ids[0] for c in got.completions} == {2}
+    ray.get(group.workers[2].where.remote())
+    queue.push(ray.put({"version": 3}))  # engine 2 joins; no engine 3: max_engines=3
+    got = queue.take(4, _prompts(0, 6), settings)
+    assert got.engines_alive == 3 and len(group.workers) == 3
+    assert {c.token_ids[0] for c in got.completions} == {3}
+    assert [c.token_ids[1] for c in got.completions] == list(range(6))
+    out = capsys.readouterr().out
+    assert "engine 1 (new) joined (rollout.elastic, " in out and "engine 2 (new) joined" in out
+
+
+def test_an_added_engine_that_cannot_start_stops_the_adding(ray_local, capsys):
+    import ray
+
+    queue, actors, _ = _queue(ray, engines=1)
+    group = EngineGroup(ray, list(actors), new=UnstartableEngine)
+    queue.engines.replace_lost(group)
+    queue.engines.grow_to(3)
+    queue.push(ray.put({"version": 1}))
+    ray.wait([group.workers[1].where.remote()], timeout=30)
+    queue.push(ray.put({"version": 2}))
+    queue.push(ray.put({"version": 3}))
+    got = queue.generate(_prompts(0, 2), SamplingSettings(n=1, max_new_tokens=16))
+    assert got.engines_alive == 1 and len(group.workers) == 2
+    assert (
+        "the engine added as rollout rank 1 could not start: builtin:tiny was not staged on node 1234abcd (spot-7); "
+        "the run goes on with 1 engine(s); no more engines are added" in capsys.readouterr().out
     )

@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..algo.batch import from_wire, split_evenly
-from ..errors import first_line
 from ..hangs import WATCH
-from ..waiting import get_all, trainer_error_in
+from ..waiting import get_all
+from .engine_pool import EnginePool, died
 from .engines import generation_throughput, object_store_push
 from .environment import environment_rewards
 from .multiturn import turn_metrics
@@ -138,10 +138,6 @@ class InFlight:
     """Prompts sent again to other engines after their engine was lost."""
 
 
-REPLACEMENTS_PER_ENGINE = 3
-"""How many times one engine is replaced after a loss in one start of the run; past it, it stays lost."""
-
-
 class RolloutQueue:
     def __init__(
         self,
@@ -156,7 +152,8 @@ class RolloutQueue:
         """`scorers`: the reward workers, which score each engine's part as it finishes; None when
         the driver scores (reward.in_driver) with `score_here`. `samples`: the engines get each prompt's
         dataset row too (rollout.environment's `reset(sample)`)."""
-        self.engines, self.labels = list(engines), list(labels)
+        self.engines = EnginePool(engines, labels)
+        """The engines, as they come and go (engine_pool.py)."""
         self.timeout_s, self.scorers = timeout_s, scorers
         self.scorer_labels = list(scorer_labels) or [f"reward worker {i}" for i in range(len(scorers or []))]
         self.samples = samples
@@ -167,29 +164,10 @@ class RolloutQueue:
         """The batches in flight, oldest first, for consecutive steps."""
         self.loading: tuple[list, list[str], list[int]] = ([], [], [])
         """The last push's calls not yet collected by `settle`, their labels, and the engines of the first ones."""
-        self.group = None
-        """The rollout engines' ActorGroup where a lost engine is replaced (`replace_lost_engines`), else None."""
-        self.lost: dict[int, float] = {}
-        """Engines lost and not back: index -> time.monotonic() of the loss."""
-        self.joining: dict[int, tuple] = {}
-        """Replacements being started: index -> (the new actor, its `where` call)."""
-        self.replaced: dict[int, int] = {}
-        """Replacements started so far, per engine."""
-
-    def replace_lost_engines(self, group) -> None:
-        """From now on, an engine that dies (its process or its node) costs no restart: its part of a batch
-        is generated again by the engines left, and a new engine is started in its slot (`group.respawn`),
-        which generates from the first push after it has started. Only where the weights travel through the
-        object store with `push` (an NCCL group cannot lose a member)."""
-        self.group = group
-
-    def alive(self) -> list[int]:
-        """The engines that generate: not lost (a replacement counts from the push that gave it weights)."""
-        return [e for e in range(len(self.engines)) if e not in self.lost]
 
     def _send(self, engine: int, chunk: list[PromptRecord], settings, part: int) -> tuple:
         """Engine `engine` generates `chunk`; returns its call, and the scoring call and scorer label (or None)."""
-        handle = self.engines[engine]
+        handle = self.engines.actors[engine]
         ids = [p.prompt_ids for p in chunk]
         if self.samples:
             ref = handle.generate.remote(ids, settings, [sample_row(p) for p in chunk])
@@ -203,9 +181,7 @@ class RolloutQueue:
 
     def _launch(self, step: int, prompts: list[PromptRecord], settings) -> InFlight:
         sent = time.monotonic()
-        engines = self.alive()
-        if not engines:
-            raise RuntimeError("every rollout engine was lost and none is back yet")
+        engines = self.engines.alive()
         placed = [(e, c) for e, c in zip(engines, split_evenly(prompts, len(engines))) if c]
         calls = [self._send(e, chunk, settings, j) for j, (e, chunk) in enumerate(placed)]
         score_refs = [c[1] for c in calls] if self.scorers else None
@@ -231,27 +207,23 @@ class RolloutQueue:
         from ray.exceptions import RayActorError
 
         while True:
-            labels = [self.labels[e] for e in batch.engine_ids]
+            labels = [self.engines.labels[e] for e in batch.engine_ids]
             try:
                 return WATCH.wait(phase, batch.refs, labels, what, started=batch.sent)
             except RayActorError as exc:
-                lost = self._lost_parts(batch) if self.group is not None else []
+                lost = [j for j, ref in enumerate(batch.refs) if died(ref)] if self.engines.replaceable else []
                 if not lost:
                     raise
                 for e in sorted({batch.engine_ids[j] for j in lost}):
-                    self._engine_lost(e, exc)
-                if not self.alive():
+                    self.engines.lost_one(e, exc)
+                if not self.engines.alive():
                     raise
                 self._requeue(batch, lost, what)
-
-    def _lost_parts(self, batch: InFlight) -> list[int]:
-        """The parts of `batch` that ended with their engine's death."""
-        return [j for j, ref in enumerate(batch.refs) if died(ref)]
 
     def _requeue(self, batch: InFlight, lost: list[int], what: str) -> None:
         """Parts `lost` of `batch` split over the engines left, each in its part's place (the samples keep
         their order); the hang watch counts from now for the batch."""
-        engines = self.alive()
+        engines = self.engines.alive()
         count = sum(len(batch.parts[j]) for j in lost)
         for j in sorted(lost, reverse=True):
             chunk = batch.parts[j]
@@ -270,61 +242,6 @@ class RolloutQueue:
             flush=True,
         )
 
-    def _engine_lost(self, engine: int, exc: BaseException) -> None:
-        """Engine `engine` died: one line, and a replacement started in its slot (bounded per engine)."""
-        if engine in self.lost:
-            return
-        self.lost[engine] = time.monotonic()
-        cause = first_line(str(exc))[:200]
-        tries = self.replaced.get(engine, 0)
-        if tries >= REPLACEMENTS_PER_ENGINE:
-            print(
-                f"{self.labels[engine]} was lost ({cause}); it was replaced {tries} times already: the run goes "
-                f"on with {len(self.alive())} engine(s)",
-                flush=True,
-            )
-            return
-        self.replaced[engine] = tries + 1
-        left = f"{self.labels[engine]} was lost ({cause}): the run goes on with {len(self.alive())} engine(s)"
-        try:
-            handle = self.group.respawn(engine)
-        except Exception as start_exc:  # Ray refused the new actor (its placement group gone): the run goes on
-            print(f"{left}; no new engine could be started: {first_line(str(start_exc))[:200]}", flush=True)
-            return
-        self.joining[engine] = (handle, handle.where.remote())
-        print(f"{left}; a new engine is starting in its place", flush=True)
-
-    def _admit_replacements(self) -> None:
-        """Replacements that have started join the engines now, before the push that gives them weights
-        (an engine runs its calls in order, so it loads them before anything it is sent to generate)."""
-        import ray
-
-        for engine, (handle, ready) in list(self.joining.items()):
-            if not ray.wait([ready], timeout=0)[0]:
-                continue
-            del self.joining[engine]
-            try:
-                place = ray.get(ready, timeout=0)
-            except Exception as exc:
-                cause = trainer_error_in(exc)
-                if cause is not None:  # it cannot start there (no model on its node, ...): again would fail alike
-                    print(
-                        f"the new engine for {self.labels[engine]} could not start: {first_line(str(cause))[:300]}; "
-                        f"the run goes on with {len(self.alive())} engine(s)",
-                        flush=True,
-                    )
-                    continue
-                self.lost.pop(engine, None)  # it died starting: another one (bounded per engine)
-                self._engine_lost(engine, exc)
-                continue
-            self.engines[engine] = handle
-            self.labels[engine] = self.group.placed(engine, place)
-            print(
-                f"{self.labels[engine]} is back {time.monotonic() - self.lost.pop(engine):.0f} s after the loss: "
-                f"it generates from the next batch, with the weights pushed now",
-                flush=True,
-            )
-
     def generate(
         self, prompts: list[PromptRecord], settings, phase: str = "generation", what: str = "generating samples"
     ) -> Rollouts:
@@ -341,7 +258,7 @@ class RolloutQueue:
             self.score_here,
             score_labels=batch.score_labels,
             requeued=batch.requeued,
-            engines_alive=len(self.alive()),
+            engines_alive=len(self.engines.alive()),
         )
 
     def start(self, step: int, prompts: list[PromptRecord], settings) -> None:
@@ -381,7 +298,7 @@ class RolloutQueue:
             generation_throughput(parts),
             batch.score_labels,
             batch.requeued,
-            len(self.alive()),
+            len(self.engines.alive()),
         )
 
     def push(self, weights, others: list = (), other_labels: list[str] = ()) -> dict[str, float]:
@@ -389,18 +306,23 @@ class RolloutQueue:
         `others`: calls the push depends on that `settle` checks as well (the other actor ranks'
         part in gathering the weights). Returns `settle()` of the previous push."""
         timings = self.settle()
-        if self.joining:
-            self._admit_replacements()
-        engines = self.alive()
-        refs = [self.engines[e].load_weights.remote(weights) for e in engines]
-        labels = [self.labels[e] for e in engines]
+        if self.engines.joining:
+            self.engines.admit()
+        if self.engines.max_engines:
+            self.engines.grow()
+        engines = self.engines.alive()
+        refs = [self.engines.actors[e].load_weights.remote(weights) for e in engines]
+        labels = [self.engines.labels[e] for e in engines]
         self.loading = (refs + list(others), [*labels, *other_labels], engines)
         self.version += 1
         return timings
 
-    def generating(self) -> list:
-        """The generate calls of the batches in flight, if any (`rollout.policy_lag` starts them before the update)."""
-        return [ref for batch in self.pending for ref in batch.refs]
+    def generating(self) -> tuple[list, list[str]]:
+        """The generate calls of the batches in flight, if any (`rollout.policy_lag` starts them before the
+        update), and their engines' labels."""
+        refs = [ref for batch in self.pending for ref in batch.refs]
+        labels = [self.engines.labels[e] for batch in self.pending for e in batch.engine_ids]
+        return refs, labels
 
     def pushed_by_actor(self) -> None:
         """The actor sent new weights to the engines itself (the GPU weight sync, weight_sync.py): a batch
@@ -440,31 +362,15 @@ class RolloutQueue:
                 )
             except RayActorError as exc:
                 dead = [i for i in waiting if i < len(engines) and died(refs[i])]
-                if self.group is None or not dead:
+                if not self.engines.replaceable or not dead:
                     raise
                 for i in dead:
-                    self._engine_lost(engines[i], exc)
+                    self.engines.lost_one(engines[i], exc)
                 waiting = [i for i in waiting if i not in dead]
-                if not self.alive():
+                if not self.engines.alive():
                     raise
                 continue
             for i, result in zip(waiting, got):
                 results[i] = result
             return results
         return results
-
-
-def died(ref) -> bool:
-    """Whether the call `ref` has ended with its actor's death (not with an error of its own)."""
-    import ray
-    from ray.exceptions import RayActorError
-
-    if not ray.wait([ref], timeout=0)[0]:
-        return False
-    try:
-        ray.get(ref, timeout=0)
-    except RayActorError:
-        return True
-    except Exception:
-        return False
-    return False

@@ -162,9 +162,8 @@ class WeightPush:
             # k before the update). A long generation would hold the ranks inside a collective past the NCCL
             # watchdog's timeout; so the push starts once those batches are done (their results wait in the
             # object store), which costs nothing: the engines could not load the weights any sooner.
-            generating = self.queue.generating()
-            what = "generating the batches in flight"
-            WATCH.wait("generation", generating, self.queue.labels[: len(generating)], what, fetch=False)
+            generating, labels = self.queue.generating()
+            WATCH.wait("generation", generating, labels, "generating the batches in flight", fetch=False)
         if self.sleeps and self.neighbours:  # the update's cached blocks back to the GPU before vLLM wakes
             workers = [w for g in self.neighbours for w in g.workers]
             labels = [label for g in self.neighbours for label in g.labels()]
