@@ -171,6 +171,13 @@ class RolloutConfig:
     ahead of."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per engine, e.g. {h100: 1} to pin engines to nodes started with them."""
+    elastic: bool = False
+    """Add engines while the run goes, up to rollout.max_engines: one more engine waits for room on the cluster
+    (a node that joins, spot capacity) and generates from the first push after it has started
+    (docs/recovery.md). Where the weights go through the object store (engines on CPU, or not next to a CUDA
+    actor), with engines that stay awake and fit on one node."""
+    max_engines: int = 0
+    """With rollout.elastic: the most engines at once (above rollout.num_engines, the engines the run starts with)."""
 
     @property
     def ranks_per_engine(self) -> int:

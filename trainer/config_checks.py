@@ -191,6 +191,7 @@ RANGES: dict[str, Range] = {
     "rollout.gpus_per_engine": NON_NEGATIVE,
     "rollout.cpus_per_engine": NON_NEGATIVE,
     "rollout.gpu_memory_utilization": FRACTION,
+    "rollout.max_engines": Range(0, hint="with rollout.elastic, the most engines at once; 0 without it"),
     "rollout.policy_lag": Range(
         0, 4, hint="0 generates in turn with training, k keeps k batches in flight; samples k updates old weigh little"
     ),
@@ -303,6 +304,8 @@ def validate(cfg: Any) -> None:
         _check_rollout_in_actor(cfg)
     if r.policy_lag:
         _check_policy_lag(cfg)
+    if r.elastic or r.max_engines:
+        _check_elastic(cfg)
     if (
         cfg.placement.colocate_all
         and r.engine in ("vllm", "sglang")
@@ -491,6 +494,34 @@ def _check_policy_lag(cfg: Any) -> None:
             f"{lag} starts batches {cfg.rollout.policy_lag} steps ahead, but algorithm.dynamic_sampling=true "
             "draws a step's extra prompts only once its scores are in: set rollout.policy_lag=1 (one batch "
             "ahead, started after the refill), or algorithm.dynamic_sampling=false"
+        )
+
+
+def _check_elastic(cfg: Any) -> None:
+    """Engines added mid-run are whole engines on one node that load the weights from the object store, and
+    stay awake beside trainers on GPUs of their own."""
+    r, p = cfg.rollout, cfg.placement
+    if not r.elastic:
+        raise ConfigError(
+            f"rollout.max_engines={r.max_engines} bounds the engines rollout.elastic adds, which is off: set "
+            "rollout.elastic=true, or drop rollout.max_engines"
+        )
+    if r.max_engines <= r.num_engines:
+        raise ConfigError(
+            f"rollout.elastic=true adds engines up to rollout.max_engines={r.max_engines}, not above "
+            f"rollout.num_engines={r.num_engines}: set rollout.max_engines to more than {r.num_engines}"
+        )
+    for key, on, fix in (
+        ("placement.rollout_in_actor", p.rollout_in_actor, "the actor's own workers generate"),
+        ("placement.colocate_all", p.colocate_all, "the engines share the trainers' GPUs"),
+        ("rollout.sleep_between_rollouts", r.sleep_between_rollouts, "engines that sleep share the trainers' GPUs"),
+    ):
+        if on:
+            raise ConfigError(f"rollout.elastic=true adds engines of their own, but {key}=true: {fix}; set one false")
+    if r.nodes_per_engine > 1:
+        raise ConfigError(
+            f"rollout.elastic=true adds engines on one node each, but rollout.nodes_per_engine={r.nodes_per_engine}: "
+            "set rollout.nodes_per_engine=1, or rollout.elastic=false"
         )
 
 

@@ -118,12 +118,28 @@ class Trainer:
         self.in_flight = StepsInFlight(self.rollouts, not cfg.rollout.policy_lag, roles.actor.labels(), critic_labels)
         self.push_weights = WeightPush(cfg, roles, self.rollouts)
         if self.push_weights.engines_replaceable:  # a lost engine costs no restart (docs/recovery.md)
-            self.rollouts.replace_lost_engines(roles.rollout)
+            self.rollouts.engines.replace_lost(roles.rollout)
+        if cfg.rollout.elastic:
+            print(self.elastic_engines(), flush=True)
         print(self.push_weights.describe(cfg), flush=True)
         self.env_failures = FailureReport()
         """rollout.environment's failures: the first of each kind printed, a batch that all failed stops the run."""
         self.gap_checked = cfg.trainer.gap_check == "off" or cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0
         """trainer.gap_check is done for this start (or not to be done: off, or sampling truncated)."""
+
+    def elastic_engines(self) -> str:
+        """rollout.elastic: engines are added where the weights reach them from the queue; the line that says so."""
+        r = self.cfg.rollout
+        if not self.push_weights.engines_replaceable:
+            return (
+                f"rollout.elastic: no engine is added in this run: {self.push_weights.describe(self.cfg)}, and "
+                f"an NCCL group cannot grow; the run keeps its {r.num_engines} engine(s)"
+            )
+        self.rollouts.engines.grow_to(r.max_engines)
+        return (
+            f"rollout.elastic: up to {r.max_engines} engines; one more starts wherever the cluster has room for "
+            f"one engine (a node that joins) and generates from the next weight push after it has started"
+        )
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict:

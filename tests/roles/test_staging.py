@@ -102,3 +102,30 @@ def test_stage_models_on_a_real_node(ray_local, model_dir: Path) -> None:
     assert lines == [f"model: {model_dir}: present on all 1 node(s)"]
     with pytest.raises(ModelLoadError, match="model directory not found on the driver: ./nowhere"):
         staging.stage_models(["./nowhere"], [node], timeout_s=60)
+
+
+def test_a_node_the_run_did_not_start_on_gets_the_model_from_its_shipped_copy(
+    ray_local, model_dir: Path, tmp_path: Path
+) -> None:
+    """A worker started later (a replacement engine, an engine rollout.elastic adds) on a node that was not
+    staged: with `for_new_nodes` it unpacks the object store's copy into its node's cache, checked by
+    fingerprint; without it, one line. Here the driver's own directory is moved away, as a new node lacks it."""
+    import ray
+    from cloudrl.trainer.roles.staging import NodePaths, for_new_nodes, on_this_node
+
+    bare = NodePaths(str(model_dir), {"another-node": str(model_dir)})
+    ready = for_new_nodes(bare)
+    assert ready.shipped is not None and ready.fingerprint == staging.fingerprint(model_dir)
+    assert for_new_nodes(ready) is ready and for_new_nodes(NodePaths("org/model", {}, hub=True)).shipped is None
+    shutil.move(model_dir, tmp_path / "elsewhere")
+
+    @ray.remote(num_cpus=0, runtime_env={"env_vars": {"CLOUDRL_CACHE": str(tmp_path / "new-node-cache")}})
+    def resolve(path: NodePaths) -> str:
+        try:
+            return on_this_node(path)
+        except ModelLoadError as exc:
+            return f"error: {exc}"
+
+    local = ray.get(resolve.remote(ready))
+    assert local.startswith(str(tmp_path / "new-node-cache")) and staging.fingerprint(local) == ready.fingerprint
+    assert ray.get(resolve.remote(bare)).startswith(f"error: {model_dir} was not staged on node ")

@@ -55,15 +55,19 @@ class ActorGroup:
 
         self.name, self.timeout_s = name, timeout_s
         self._remote_cls = ray.remote(worker_cls)
-        self._pg, self._slots, self._args, self._kwargs = pg, slots, args, kwargs or {}
+        self._slots, self._args, self._kwargs = slots, args, kwargs or {}
+        self._starts = [(pg, slot) for slot in slots]
+        """Each rank's placement group and slot in it."""
+        self.grown_pgs: list = []
+        """The placement groups of the workers `grow` added (removed with the roles' own)."""
         self.workers = [self._start(rank) for rank in range(len(slots))]
         self.places: list[dict] = []
 
     def _start(self, rank: int):
-        """A new worker for `rank`, in its slot of the placement group."""
+        """A new worker for `rank`, in its slot of its placement group."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        slot = self._slots[rank]
+        pg, slot = self._starts[rank]
         env = network_env()
         if slot.visible_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = slot.visible_gpus
@@ -71,25 +75,50 @@ class ActorGroup:
             num_cpus=slot.cpus,
             num_gpus=slot.gpus,
             resources=slot.resources,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=slot.bundle),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot.bundle),
             runtime_env={"env_vars": env} if env else None,
             max_concurrency=1,
-        ).remote(*self._args, rank=rank, world_size=len(self._slots), **self._kwargs)
+        ).remote(*self._args, rank=rank, world_size=len(self._starts), **self._kwargs)
 
     def respawn(self, rank: int):
         """Rank `rank` again, in a new worker in the same slot (Ray moves a lost node's share of the placement
         group to a node with room, and the worker starts once it has); the old worker is killed. For workers
-        that hold no training state: the rollout engines (`RolloutQueue.replace_lost_engines`)."""
+        that hold no training state: the rollout engines (`EnginePool.replace_lost`, rollout/engine_pool.py)."""
         import ray
 
+        self._reach_new_nodes()
         with contextlib.suppress(Exception):
             ray.kill(self.workers[rank])
         self.workers[rank] = self._start(rank)
         return self.workers[rank]
 
+    def grow(self):
+        """One more worker (the next rank), in a placement group of its own with one bundle the size of rank
+        0's slot, created without waiting: Ray places it, and the worker starts, once a node has room (capacity
+        that joins the cluster). For the rollout engines (`rollout.elastic`). Returns the new worker."""
+        from ray.util import placement_group
+
+        self._reach_new_nodes()
+        first = self._slots[0]
+        bundle = {"CPU": first.cpus, **({"GPU": first.gpus} if first.gpus else {}), **first.resources}
+        pg = placement_group([bundle], strategy="STRICT_PACK", name=f"cloudrl-{self.name}-{len(self.workers)}")
+        self.grown_pgs.append(pg)
+        self._starts.append((pg, Slot(0, first.cpus, first.gpus, dict(first.resources))))
+        self.workers.append(self._start(len(self.workers)))
+        return self.workers[-1]
+
+    def _reach_new_nodes(self) -> None:
+        """The models in the workers' arguments, reachable from nodes the run did not start on (staging.py
+        `for_new_nodes`): a worker started now may land on one."""
+        from .staging import NodePaths, for_new_nodes
+
+        self._args = tuple(for_new_nodes(a) if isinstance(a, NodePaths) else a for a in self._args)
+
     def placed(self, rank: int, place: dict) -> str:
         """A respawned worker's `where()`: recorded for messages and the hang watch; returns its label."""
-        if self.places:
+        if self.places and rank == len(self.places):  # a worker `grow` added
+            self.places.append(place)
+        elif self.places:
             self.places[rank] = place
         label = self.labels()[rank]
         WATCH.register([label], [place])
@@ -163,7 +192,7 @@ class Roles:
 
         for g in self.groups():
             g.kill()
-        for pg in self.placement_groups:
+        for pg in self.placement_groups + [pg for g in self.groups() for pg in g.grown_pgs]:
             remove_placement_group(pg)
 
 

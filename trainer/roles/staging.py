@@ -52,6 +52,14 @@ class NodePaths:
 
     source: str
     by_node: dict[str, str]
+    hub: bool = False
+    """A hub id: a node not in `by_node` downloads it into its own Hugging Face cache."""
+    fingerprint: str = ""
+    """A directory's fingerprint, where `shipped` is set."""
+    shipped: object = None
+    """An object ref to the packed directory (`for_new_nodes`), for a worker that starts later on a node not
+    in `by_node` (a rollout engine in place of a lost one, or one added on capacity that joined): it uses the
+    same directory at the same path if the node has it, else unpacks this copy into its cache."""
 
 
 def on_this_node(path: str | NodePaths) -> str:
@@ -61,12 +69,31 @@ def on_this_node(path: str | NodePaths) -> str:
     import ray
 
     node = ray.get_runtime_context().get_node_id()
-    if node not in path.by_node:
-        raise ModelLoadError(
-            f"{path.source} was not staged on node {node[:8]} ({socket.gethostname()}): "
-            f"this worker runs outside the run's placement groups"
+    if node in path.by_node:
+        return path.by_node[node]
+    if path.hub:
+        return download(path.source)[0]
+    if path.shipped is not None:
+        return check_local(path.source, path.fingerprint) or unpack(
+            path.source, path.fingerprint, ray.get(path.shipped)
         )
-    return path.by_node[node]
+    raise ModelLoadError(
+        f"{path.source} was not staged on node {node[:8]} ({socket.gethostname()}): "
+        f"this worker runs outside the run's placement groups"
+    )
+
+
+def for_new_nodes(path: NodePaths) -> NodePaths:
+    """`path`, reachable from a node that was not in the run when it started: a hub id as it is (such a node
+    downloads it), a directory with a packed copy in the object store (kept while `path` is referenced; not
+    for directories over SHIP_LIMIT_BYTES, which a new node must already have, at the same path)."""
+    import dataclasses
+
+    import ray
+
+    if path.hub or path.shipped is not None or directory_size(path.source) > SHIP_LIMIT_BYTES:
+        return path
+    return dataclasses.replace(path, fingerprint=fingerprint(path.source), shipped=ray.put(pack(path.source)))
 
 
 def is_hub_id(path: str) -> bool:
@@ -313,4 +340,4 @@ def _stage_hub(repo_id: str, node_ids: list[str], timeout_s: float, echo) -> Nod
         f"model: {repo_id}: in the Hugging Face cache of all {len(node_ids)} node(s) "
         f"(slowest node {slowest:.1f}s; HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')})"
     )
-    return NodePaths(repo_id, {n: local for n, (local, _, _) in zip(node_ids, got)})
+    return NodePaths(repo_id, {n: local for n, (local, _, _) in zip(node_ids, got)}, hub=True)

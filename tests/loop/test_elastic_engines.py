@@ -1,0 +1,79 @@
+"""rollout.elastic: capacity that joins the cluster mid-run generates from the next push. A 1-node local Ray
+cluster holds exactly the local preset's roles (4 CPUs), so the second engine the run asks for waits; a worker
+node joins after step 5 (as `dstack apply` of fleets/rollout-spot.dstack.yml adds one), the engine starts there,
+joins at the next weight push and generates with the trainer's weights from then on, with no restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from runs import REPO, local_cluster, logged_steps, start_worker_node, tiny_overrides, wait_nodes
+
+pytestmark = pytest.mark.ray
+
+
+def _wait_for(what: str, ready, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None, f"the run ended before {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def test_an_engine_starts_on_a_node_that_joins_and_generates_from_the_next_push(private_cache, tmp_path):
+    from cloudrl.cli.node_processes import stop_node
+
+    run_dir, log = tmp_path / "run", tmp_path / "driver.log"
+    overrides = {
+        "trainer.total_steps": 100000,  # stopped below, once the added engine has generated a few steps
+        "rollout.elastic": "true",
+        "rollout.max_engines": 2,
+        "placement.timeout_s": 120,
+    }
+    args = [sys.executable, "-m", "cloudrl.trainer", "--preset", "local", *tiny_overrides(run_dir, **overrides)]
+    nodes = []
+    with local_cluster(nodes=1, cpus_per_node=4, gpus_per_node=0) as state:
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                args,
+                cwd=REPO,
+                env={**os.environ, "RAY_ADDRESS": state["gcs_address"], "PYTHONUNBUFFERED": "1"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            _wait_for("step 5", lambda: max(logged_steps(run_dir), default=0) >= 5, proc, log, 300)
+            nodes.append(start_worker_node(state, "w1", cpus=1))
+            wait_nodes(state, 2)
+            joined_after = max(logged_steps(run_dir))
+            _wait_for("joined engine", lambda: "joined (rollout.elastic" in log.read_text(), proc, log, 180)
+            joined_at = max(logged_steps(run_dir))
+            _wait_for("5 steps more", lambda: max(logged_steps(run_dir)) >= joined_at + 5, proc, log, 120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=30)
+            for node in nodes:
+                stop_node(node)
+    text = log.read_text()
+    assert "rollout.elastic: up to 2 engines; one more starts wherever the cluster has room" in text
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    alive = {r["step"]: r["rollout/engines_alive"] for r in steps}
+    assert {alive[s] for s in range(1, joined_after + 1)} == {1}  # no room until the node joined
+    after = [r for r in steps if r["step"] > joined_at]
+    assert len(after) >= 5 and {r["rollout/engines_alive"] for r in after} == {2}
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in after)  # the new engine has the trainer's weights
+    assert all(r["trainer/restarts"] == 0 for r in steps)
