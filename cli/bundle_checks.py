@@ -200,8 +200,16 @@ def _container_ports(ports: Any) -> list[int]:
     return found
 
 
+def joins_a_running_cluster(data: dict) -> bool:
+    """The task's nodes join the head of a cluster another run brought up (CLOUDRL_JOIN_HEAD in its env):
+    it starts no head, so it has no dashboard to forward."""
+    return any(name == "CLOUDRL_JOIN_HEAD" for _, name, _ in _env_items(data))
+
+
 def _dashboard_port_problems(rel: str, data: dict) -> list[Problem]:
     port = dashboard_port(data)
+    if joins_a_running_cluster(data):
+        return []
     groups = [g for g in _list(data.get("groups")) if isinstance(g, dict)]
     head_key = "groups[0].ports" if groups else "ports"
     head_ports = _container_ports(groups[0].get("ports") if groups else data.get("ports"))
@@ -437,6 +445,17 @@ def _compare(rel: str, data: dict, task: Any, name: str, fleet_rel: str, fleet: 
                 "groups" if groups else "nodes",
                 f"asks for {nodes} nodes but {where} has {most} {what}: the run gets no offer",
                 "lower it, or raise the fleet's " + ("hosts" if fleet.ssh_config else "`nodes` max (and target)"),
+            )
+        )
+    placement = getattr(fleet.placement, "value", fleet.placement)
+    if nodes > 1 and fleet.ssh_config is None and placement != "cluster":
+        problems.append(
+            Problem(
+                rel,
+                "groups" if groups else "nodes",
+                f"asks for {nodes} nodes but {where} has `placement: {placement}`: dstack runs multi-node tasks "
+                f"only on fleets with cluster placement",
+                "set `placement: cluster` in the fleet, or run the task on one node",
             )
         )
     if fleet.ssh_config is not None:

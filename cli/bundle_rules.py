@@ -377,7 +377,9 @@ def _placement_rules(rel: str, data: dict, path: Path, root: Path) -> list[Probl
         size = max((v for v in nodes.values() if isinstance(v, int)), default=0)
     hosts = (data.get("ssh_config") or {}).get("hosts") if isinstance(data.get("ssh_config"), dict) else None
     size = max(size, len(hosts) if isinstance(hosts, list) else 0)
-    if size > 1 and data.get("placement") != "cluster":
+    # An explicit `placement: any` is a fleet for single-node tasks (fleets/rollout-spot.dstack.yml); a task of
+    # several nodes that names it is refused where tasks meet fleets (bundle_checks.fleet_problems).
+    if size > 1 and data.get("placement") not in ("cluster", "any"):
         return [
             Problem(
                 rel,

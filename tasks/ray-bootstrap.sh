@@ -9,6 +9,9 @@
 #              or fails naming the nodes that did not join.
 #   rank >= 1  Ray worker. Retries until the head's GCS answers (it may start first, or the head may
 #              still be installing Ray), then joins.
+# With CLOUDRL_JOIN_HEAD=<the head's address> every rank is a worker of a cluster another run brought up,
+# which it joins at any time after that cluster's "cluster ready" (tasks/ray-rollout-spot.dstack.yml:
+# rollout capacity added to a running cluster; docs/multinode.md).
 # Ray stays in the foreground (`ray start --block`), so the dstack job lives exactly as long as the
 # Ray node, and dstack's stop signal reaches Ray directly. Under Slurm, tasks/slurm/ray-node.sh turns
 # Slurm's environment into the DSTACK_* inputs and runs this script.
@@ -104,14 +107,25 @@ RANK="$DSTACK_NODE_RANK"
 ((RANK < DSTACK_NODES_NUM)) || die "DSTACK_NODE_RANK=$RANK is not below DSTACK_NODES_NUM=$DSTACK_NODES_NUM."
 NODE_IP="${NODE_IPS[$RANK]}"
 HEAD_IP="$DSTACK_MASTER_NODE_IP"
-[[ "${NODE_IPS[0]}" == "$HEAD_IP" ]] ||
-    die "DSTACK_MASTER_NODE_IP=$HEAD_IP is not the first of DSTACK_NODES_IPS (${NODE_IPS[*]})."
+JOIN_HEAD="${CLOUDRL_JOIN_HEAD:-}"
+if [[ -n "$JOIN_HEAD" ]]; then
+    [[ "$JOIN_HEAD" =~ ^[A-Za-z0-9][A-Za-z0-9.-]*$ ]] ||
+        die "CLOUDRL_JOIN_HEAD=$JOIN_HEAD is not a host name or IPv4 address: give the running cluster's head" \
+            "address, as its log says (\"starting the Ray head: GCS <address>:6379\")."
+    [[ "$JOIN_HEAD" != "$NODE_IP" ]] ||
+        die "CLOUDRL_JOIN_HEAD=$JOIN_HEAD is this node's own address: it names the head of a cluster that" \
+            "runs already (another run's rank 0); to start a cluster, leave it unset."
+    HEAD_IP="$JOIN_HEAD"
+else
+    [[ "${NODE_IPS[0]}" == "$HEAD_IP" ]] ||
+        die "DSTACK_MASTER_NODE_IP=$HEAD_IP is not the first of DSTACK_NODES_IPS (${NODE_IPS[*]})."
+fi
 
 report_phase() {
     # Worker: tell the head's watcher (ray_bringup.py watch) this node reached phase $1, so the head can
     # tell "installing Ray" from "never came". Best effort, in the background: the head may not listen
     # yet (it installs Ray first), and a report that never arrives only costs a less precise log line.
-    ((RANK > 0)) || return 0
+    ((RANK > 0)) && [[ -z "$JOIN_HEAD" ]] || return 0 # a late joiner: the head's watcher has ended
     local line="$RANK $1 $(date +%s.%N)"
     (for _ in $(seq 1 $((JOIN_TIMEOUT / 2 + 1))); do
         timeout 2 bash -c "echo '$line' >/dev/tcp/$HEAD_IP/$PHASE_PORT" 2>/dev/null && exit 0
@@ -278,7 +292,7 @@ if [[ "$notices" != off ]]; then
         --poll-s "$notice_poll_s" </dev/null &
 fi
 
-if ((RANK == 0)); then
+if ((RANK == 0)) && [[ -z "$JOIN_HEAD" ]]; then
     log "starting the Ray head: GCS $NODE_IP:$RAY_PORT, dashboard 127.0.0.1:$DASHBOARD_PORT," \
         "waiting up to ${READY_TIMEOUT}s for $DSTACK_NODES_NUM nodes"
     # Beside the head's `ray start --block`, which `exec` hands this shell's PID: the watcher collects the
@@ -317,5 +331,5 @@ until timeout 3 bash -c ": >/dev/tcp/$HEAD_IP/$RAY_PORT" 2>/dev/null; do
     log "join attempt $attempt: Ray head $HEAD_IP:$RAY_PORT not answering yet (${waited}s of ${JOIN_TIMEOUT}s)"
     sleep 2
 done
-log "Ray head $HEAD_IP:$RAY_PORT answers; joining as worker $NODE_IP"
+log "Ray head $HEAD_IP:$RAY_PORT answers; joining as worker $NODE_IP${JOIN_HEAD:+ (added to the running cluster)}"
 exec "${ray_cli[@]}" start --address="$HEAD_IP:$RAY_PORT" "${start_args[@]}" --block

@@ -398,6 +398,37 @@ def test_three_nodes_with_a_worker_started_20s_before_the_head(kind, task, tmp_p
     assert cluster.leftover_pids() == []
 
 
+# --- a rollout node added to a running cluster (tasks/ray-rollout-spot.dstack.yml) ---------------------
+
+
+def test_a_rollout_node_of_another_run_joins_the_cluster_after_its_ready_line(kind, task, tmp_path):
+    """The rollout task is a run of its own: its one node is that run's rank 0 on another address, and
+    with CLOUDRL_JOIN_HEAD it joins the running cluster's head as a worker instead of starting a head."""
+    rollout_path = REPO_ROOT / "tasks" / "ray-rollout-spot.dstack.yml"
+    rollout = load_task(rollout_path)
+    check_shipped_files(rollout_path, rollout, REPO_ROOT)
+    cluster = new_cluster(kind, 2, tmp_path)
+    try:
+        cluster.create()
+        head = start_node(cluster, task, 0, num_nodes=1)
+        head.wait_for(READY, BRING_UP_TIMEOUT)
+        shell = {**LOCAL_ENV, "CLOUDRL_JOIN_HEAD": cluster.ips[0]}  # what the user exports before `dstack apply`
+        env = {**base_env(), **task_env(rollout, shell), **TEST_KNOBS, **dstack_env(0, [cluster.ips[1]], 1)}
+        node = cluster.start(1, node_argv(rollout, 0), env, files=shipped_files(rollout_path, rollout))
+        node.wait_for(
+            rf"Ray head {cluster.ips[0]}:\d+ answers; joining as worker {cluster.ips[1]} \(added to the running cluster\)",
+            BRING_UP_TIMEOUT,
+        )
+        deadline = time.monotonic() + 60
+        while sorted(alive_nodes(cluster)) != sorted(cluster.ips):
+            assert time.monotonic() < deadline, node.output()[-3000:]
+            time.sleep(1)
+        assert "starting the Ray head" not in node.output() and node.proc.poll() is None
+    finally:
+        cluster.stop()
+    assert cluster.leftover_pids() == []
+
+
 # --- the variants run the same bootstrap --------------------------------------------------------
 
 

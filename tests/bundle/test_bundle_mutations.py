@@ -26,6 +26,7 @@ PLAIN, GROUPS, CLOUD = (
     "fleets/gpu-cluster.dstack.yml",
 )
 BOOT = "tasks/ray-bootstrap.sh"
+ROLLOUT = "tasks/ray-rollout-spot.dstack.yml"
 WHERE = "fleet cloudrl-cluster (fleets/gpu-cluster.dstack.yml)"
 
 
@@ -202,6 +203,8 @@ MUTATIONS = [
         "(fleets/amd-cluster.dstack.yml) has 2 nodes at most: the run gets no offer; groups asks for 3 nodes but "
         f"{WHERE} has 2 nodes at most: the run gets no offer; groups asks for 3 nodes but fleet cloudrl-onprem "
         "(fleets/on-prem.dstack.yml) has 2 hosts: the run gets no offer; groups asks for 3 nodes but fleet "
+        "cloudrl-rollout-spot (fleets/rollout-spot.dstack.yml) has `placement: any`: dstack runs multi-node tasks "
+        "only on fleets with cluster placement; groups asks for 3 nodes but fleet "
         "cloudrl-small (fleets/small.dstack.yml) has 2 nodes at most: the run gets no offer — make the task fit its "
         "fleet and name that fleet in `fleets:`",
     ),
@@ -227,6 +230,22 @@ MUTATIONS = [
         replace("image: vllm/vllm-openai:v0.32.0", "image: vllm/vllm-openai:v0.11.0"),
         f"{PLAIN}: image: vllm/vllm-openai:v0.11.0 ships vLLM 0.11, but cloudrl's vLLM rollouts and weight sync need "
         "vLLM 0.32.x — use an image with vLLM 0.32 (e.g. vllm/vllm-openai:v0.32.0)",
+    ),
+    (
+        "multinode-task-on-a-single-node-fleet",
+        ROLLOUT,
+        replace("nodes: 1\n", "nodes: 2\n"),
+        f"{ROLLOUT}: nodes: asks for 2 nodes but fleet cloudrl-rollout-spot (fleets/rollout-spot.dstack.yml) has "
+        "`placement: any`: dstack runs multi-node tasks only on fleets with cluster placement — set `placement: "
+        "cluster` in the fleet, or run the task on one node",
+    ),
+    (
+        "rollout-task-without-its-head",
+        ROLLOUT,
+        replace("  - CLOUDRL_JOIN_HEAD\n", ""),
+        f"{ROLLOUT}: ports: does not forward the head's dashboard port 8265 (Jobs API, `cloudrl submit`), so `dstack "
+        "apply` gives you no way to reach it — list `- 8265` under ports (the bootstrap's dashboard port is "
+        "CLOUDRL_DASHBOARD_PORT, default 8265)",
     ),
 ]
 
