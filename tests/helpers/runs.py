@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -175,6 +176,28 @@ def start_trainer(run_dir: Path, log: Path, ray_address: str, **overrides) -> su
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+
+def wait_until(what: str, ready, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Until `ready()` holds, while the trainer `proc` runs (bounded; the error names `what` and ends with its log)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None, f"the run ended before {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def stop_trainer(proc: subprocess.Popen) -> None:
+    """SIGTERM a trainer started by `start_trainer` (its process group: it checkpoints its step and ends);
+    SIGKILL if it has not ended within 120 s."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, log: Path, step: int = 1, timeout_s: float = 300) -> int:

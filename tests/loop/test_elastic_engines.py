@@ -6,25 +6,11 @@ joins at the next weight push and generates with the trainer's weights from then
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-from runs import REPO, local_cluster, logged_steps, start_worker_node, tiny_overrides, wait_nodes
+from runs import local_cluster, logged_steps, start_trainer, start_worker_node, stop_trainer, wait_nodes, wait_until
 
 pytestmark = pytest.mark.ray
-
-
-def _wait_for(what: str, ready, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        assert proc.poll() is None, f"the run ended before {what}:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
 
 
 def test_an_engine_starts_on_a_node_that_joins_and_generates_from_the_next_push(private_cache, tmp_path):
@@ -37,35 +23,20 @@ def test_an_engine_starts_on_a_node_that_joins_and_generates_from_the_next_push(
         "rollout.max_engines": 2,
         "placement.timeout_s": 120,
     }
-    args = [sys.executable, "-m", "cloudrl.trainer", "--preset", "local", *tiny_overrides(run_dir, **overrides)]
     nodes = []
     with local_cluster(nodes=1, cpus_per_node=4, gpus_per_node=0) as state:
-        with open(log, "w") as out:
-            proc = subprocess.Popen(
-                args,
-                cwd=REPO,
-                env={**os.environ, "RAY_ADDRESS": state["gcs_address"], "PYTHONUNBUFFERED": "1"},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        proc = start_trainer(run_dir, log, state["gcs_address"], **overrides)
         try:
-            _wait_for("step 5", lambda: max(logged_steps(run_dir), default=0) >= 5, proc, log, 300)
+            wait_until("step 5", lambda: max(logged_steps(run_dir), default=0) >= 5, proc, log, 300)
             nodes.append(start_worker_node(state, "w1", cpus=1))
             wait_nodes(state, 2)
             joined_after = max(logged_steps(run_dir))
-            _wait_for("joined engine", lambda: "joined (rollout.elastic" in log.read_text(), proc, log, 180)
+            wait_until("joined engine", lambda: "joined (rollout.elastic" in log.read_text(), proc, log, 180)
             # The line comes at a step's weight push, after that step took its batch and before its metrics row.
             joined_at = max(logged_steps(run_dir)) + 1
-            _wait_for("5 steps more", lambda: max(logged_steps(run_dir)) >= joined_at + 5, proc, log, 120)
+            wait_until("5 steps more", lambda: max(logged_steps(run_dir)) >= joined_at + 5, proc, log, 120)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=30)
+            stop_trainer(proc)
             for node in nodes:
                 stop_node(node)
     text = log.read_text()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -18,7 +17,16 @@ import psutil
 import pytest
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.driver import train
-from runs import REWARD_RISES, first_and_last_means, logged_steps, metric_rows, start_trainer, wait_for_step
+from runs import (
+    REWARD_RISES,
+    first_and_last_means,
+    logged_steps,
+    metric_rows,
+    start_trainer,
+    stop_trainer,
+    wait_for_step,
+    wait_until,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -87,20 +95,12 @@ def test_the_lost_engine_is_back_and_gets_every_later_push(ray_local, tmp_path):
         wait_for_step(proc, run_dir, log, step=1)
         victim = engine_processes()[-1]
         os.kill(victim.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 300
-        while "is back" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
+        wait_until("the new engine back", lambda: "is back" in log.read_text(), proc, log, 300)
         # The line comes at a step's weight push, after that step took its batch and before its metrics row.
         back_at = max(logged_steps(run_dir)) + 1
         wait_for_step(proc, run_dir, log, step=back_at + 5)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        stop_trainer(proc)
     out = log.read_text()
     assert "a new engine is starting in its place" in out
     assert "it generates from the next batch, with the weights pushed now" in out
