@@ -268,33 +268,6 @@ def warm_up_rows(
     return rows
 
 
-def _batch(tok, rows: list[tuple[list[int], list[int], list[float]]]) -> dict[str, torch.Tensor]:
-    width = max(len(ids) for ids, _, _ in rows)
-    batch = {
-        "input_ids": torch.full((len(rows), width), tok.pad_token_id),
-        "attention_mask": torch.zeros((len(rows), width), dtype=torch.long),
-        "labels": torch.full((len(rows), width), -100),
-        "weights": torch.zeros((len(rows), width)),
-    }
-    for i, (ids, labels, weights) in enumerate(rows):
-        batch["input_ids"][i, : len(ids)] = torch.tensor(ids)
-        batch["attention_mask"][i, : len(ids)] = 1
-        batch["labels"][i, : len(ids)] = torch.tensor(labels)
-        batch["weights"][i, : len(ids)] = torch.tensor(weights)
-    return batch
-
-
-def _loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Next-token cross-entropy over the labelled tokens, weighted by the batch's `weights`."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-    targets = batch["labels"][:, 1:]
-    ce = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100, reduction="none"
-    )
-    weights = (targets != -100).reshape(-1).float() * batch["weights"][:, 1:].reshape(-1)
-    return (ce * weights).sum() / weights.sum()
-
-
 def warm_up_model(
     out: Path,
     exclude: set[str] = frozenset(),
@@ -317,7 +290,7 @@ def warm_up_model(
     read out of the response: a short warm-up learns both copies with it at 2 (220 steps of 16 rows at lr
     2.5e-3: right calls and reads 1.00 on held-out problems), where without it one of them had often not
     formed (at 3 and more, the call's copy had not)."""
-    from ..inputs.demo import build_char_tokenizer, build_tiny_model, train_in_two_phases
+    from ..inputs.demo import build_char_tokenizer, build_tiny_model, padded_batch, train_in_two_phases, weighted_loss
 
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed)
@@ -325,7 +298,7 @@ def warm_up_model(
 
     def loss_at(step: int, tools_only: bool) -> torch.Tensor:
         rows = warm_up_rows(tok, rng, batch_size, tool_share, exclude, 1.0 if tools_only else 0.5, read_weight)
-        return _loss(model, _batch(tok, rows))
+        return weighted_loss(model, padded_batch(tok, rows))
 
     return train_in_two_phases(model, tok, loss_at, steps, lr, int(steps * tool_first), out, progress)
 

@@ -175,6 +175,39 @@ def train_in_two_phases(
     return str(out)
 
 
+WarmUpRow = tuple[list[int], list[int], list[float]]
+"""One warm-up sequence of the built-in multi-turn tasks: (token ids, labels, loss weights); label -100 where
+a token is context, not a target."""
+
+
+def padded_batch(tokenizer, rows: list[WarmUpRow]) -> dict[str, torch.Tensor]:
+    """`rows` right-padded into one batch: input_ids, attention_mask, labels (-100 on padding), weights."""
+    width = max(len(ids) for ids, _, _ in rows)
+    batch = {
+        "input_ids": torch.full((len(rows), width), tokenizer.pad_token_id),
+        "attention_mask": torch.zeros((len(rows), width), dtype=torch.long),
+        "labels": torch.full((len(rows), width), -100),
+        "weights": torch.zeros((len(rows), width)),
+    }
+    for i, (ids, labels, weights) in enumerate(rows):
+        batch["input_ids"][i, : len(ids)] = torch.tensor(ids)
+        batch["attention_mask"][i, : len(ids)] = 1
+        batch["labels"][i, : len(ids)] = torch.tensor(labels)
+        batch["weights"][i, : len(ids)] = torch.tensor(weights)
+    return batch
+
+
+def weighted_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross-entropy over the labelled tokens of a `padded_batch`, weighted by its `weights`."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    targets = batch["labels"][:, 1:]
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100, reduction="none"
+    )
+    weights = (targets != -100).reshape(-1).float() * batch["weights"][:, 1:].reshape(-1)
+    return (ce * weights).sum() / weights.sum()
+
+
 def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
     """The model's greedy continuations of `prompts` (the warm-up reports of the built-in tasks)."""
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)

@@ -118,16 +118,6 @@ def warm_up_rows(
     return rows
 
 
-def _batch(tok, rows):
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), tok.pad_token_id)
-    labels = torch.full((len(rows), width), -100)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (ids, lab) in enumerate(rows):
-        input_ids[i, : len(ids)], labels[i, : len(ids)], mask[i, : len(ids)] = torch.tensor(ids), torch.tensor(lab), 1
-    return input_ids, mask, labels
-
-
 def warm_up_model(
     out: Path,
     exclude: set[str] = frozenset(),
@@ -148,7 +138,7 @@ def warm_up_model(
     (at `search_share`), with a learning rate falling to a tenth, so the model ends with its choice
     near that share rather than wherever the last batches pushed it. (At lr 5e-3 the reading had often
     not formed after 200 steps; at 2e-3 it formed within 150 for seeds 1-3.)"""
-    from ..inputs.demo import build_char_tokenizer, build_tiny_model, train_in_two_phases
+    from ..inputs.demo import build_char_tokenizer, build_tiny_model, padded_batch, train_in_two_phases, weighted_loss
 
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed)
@@ -156,8 +146,7 @@ def warm_up_model(
 
     def loss_at(step: int, reading: bool) -> torch.Tensor:
         rows = warm_up_rows(tok, rng, batch_size, search_share, exclude, 1.0 if reading else 0.5)
-        input_ids, mask, labels = _batch(tok, rows)
-        return model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        return weighted_loss(model, padded_batch(tok, [(ids, labels, [1.0] * len(ids)) for ids, labels in rows]))
 
     return train_in_two_phases(model, tok, loss_at, steps, lr, int(steps * read_first), out, progress)
 
