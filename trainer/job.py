@@ -35,6 +35,7 @@ from .waiting import worker_errors
 def run_job(cfg: Config, trainer_class) -> dict:
     """Run the whole training job with `trainer_class` (driver.Trainer) and return its summary."""
     from .hangs import WATCH
+    from .inputs.models import builtin_model_line
     from .inputs.prepare import decide_resume, prepare
     from .recovery import StopRequest, run_with_restarts, stop_grace_s
     from .roles.launch import launch_roles
@@ -56,6 +57,8 @@ def run_job(cfg: Config, trainer_class) -> dict:
         preflight(requests)  # a cluster too small fails in seconds, before anything heavy
         fetch_checkpoint(cfg)  # trainer.checkpoint_uri: its newest copy when newer than run_dir's (storage.py)
         inputs = prepare(cfg, start)  # (the resume point, when not decided above), model, data, reward
+        if line := builtin_model_line(cfg):  # whether the built-in model learned a format before RL
+            print(line, flush=True)
         # A worker's expected failure ends the run with its own line; SIGTERM/SIGINT stop it after a step.
         with worker_errors(), StopRequest(stop_grace_s(cfg)) as stop:
 

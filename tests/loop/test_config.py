@@ -635,3 +635,15 @@ def test_an_environment_may_be_scored_in_the_driver():
     """The rollout queue adds the environment's rewards on either path (tests/rollout/test_rollout_queue.py)."""
     cfg = load_config("calculator", ["reward.in_driver=true"])
     assert cfg.rollout.environment and cfg.reward.in_driver
+
+
+def test_the_start_up_says_whether_the_built_in_model_was_warmed_up():
+    """A run on the built-in model says whether it learned a format before RL (a run that learns nothing can
+    then be told from one that never could); a run on any other model prints no such line."""
+    from cloudrl.trainer.inputs.models import builtin_model_line
+
+    warmed = builtin_model_line(load_config("local"))
+    assert warmed.startswith("model: builtin:tiny, warmed up for 150 steps") and "model.sft_warmup_steps" in warmed
+    bare = builtin_model_line(load_config("local", ["model.sft_warmup_steps=0"]))
+    assert "without a format warm-up (model.sft_warmup_steps=0)" in bare
+    assert builtin_model_line(load_config("calculator")) == ""

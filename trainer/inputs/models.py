@@ -45,6 +45,25 @@ def resolve_path(path: str, cfg=None) -> str:
     return materialize_builtin(path[len(BUILTIN_PREFIX) :], **kwargs)
 
 
+def builtin_model_line(cfg) -> str:
+    """The start-up line of a run on the built-in model: whether it was warmed up on a format before RL
+    (`model.sft_warmup_steps`), so a run that learns nothing can be told apart from one that never could; ""
+    for any other model."""
+    path = cfg.model.path
+    if not path.startswith(BUILTIN_PREFIX):
+        return ""
+    steps = cfg.model.sft_warmup_steps
+    if steps:
+        return (
+            f"model: {path}, warmed up for {steps} steps on the built-in arithmetic task's answer format "
+            f"(model.sft_warmup_steps; made once, then cached)"
+        )
+    return (
+        f"model: {path} without a format warm-up (model.sft_warmup_steps=0): its first answers are random "
+        f"characters, so RL must find the format alone"
+    )
+
+
 def check_model_path(key: str, path: str) -> None:
     """What can be checked of a model setting without loading it, in well under a second (the job runs
     this before it starts a cluster): `builtin:` names the built-in model; a path (`/...`, `./...`,
