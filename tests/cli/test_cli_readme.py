@@ -172,8 +172,15 @@ def newcomer_order() -> list[Path]:
 def commands(docs: list[Path] = DOCS) -> list[tuple[str, list[str]]]:
     """Every command line of the `bash` blocks as (where, words): `\\` continuations joined, comments (a
     `#` that starts a word, as bash reads it) and leading `NAME=value` environment words dropped."""
+    return [(where, words) for where, words, _ in commands_in_dirs(docs)]
+
+
+def commands_in_dirs(docs: list[Path] = DOCS) -> list[tuple[str, list[str], str]]:
+    """`commands`, each with the directory its relative paths start from: the checkout's root ("") until a
+    `cd DIR` line of its block moves it (a DIR inside the checkout)."""
     found = []
     for where, body in blocks(docs=docs):
+        where_now = ""
         for line in body.replace("\\\n", " ").splitlines():
             line = re.split(r"(?:^|\s)#", line)[0]
             try:
@@ -182,8 +189,10 @@ def commands(docs: list[Path] = DOCS) -> list[tuple[str, list[str]]]:
                 words = line.split()
             while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
                 words = words[1:]
+            if len(words) == 2 and words[0] == "cd" and (REPO / where_now / words[1]).is_dir():
+                where_now = (Path(where_now) / words[1]).as_posix()
             if words:
-                found.append((where, words))
+                found.append((where, words, where_now))
     return found
 
 
@@ -191,8 +200,9 @@ def cloudrl_lines() -> list[str]:
     return [shlex.join(words) for _, words in commands() if words[0] == "cloudrl"]
 
 
-def trainer_lines() -> list[str]:
-    return [shlex.join(words) for _, words in commands() if words[:3] == TRAINER]
+def trainer_lines() -> list[tuple[str, str]]:
+    """(line, the directory it runs in) of every documented trainer command."""
+    return [(shlex.join(words), where_now) for _, words, where_now in commands_in_dirs() if words[:3] == TRAINER]
 
 
 def shown_errors() -> list[tuple[str, str]]:
@@ -333,8 +343,9 @@ def test_documented_command_parses(line: str) -> None:
         check_override(item)
 
 
-@pytest.mark.parametrize("line", trainer_lines())
-def test_documented_trainer_command_loads(line: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("line, where_now", trainer_lines())
+def test_documented_trainer_command_loads(line: str, where_now: str, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(REPO / where_now)  # a preset file's relative paths start where the block `cd`s to
     args = parse_trainer(line)
     # The whole config check of a real start (keys, types, ranges, rules across keys), without training;
     # a run directory of its own first, so that a documented `trainer.run_dir=` still wins.
