@@ -201,9 +201,15 @@ class Trainer:
         got, records, scores = sampled.rollouts, sampled.records, sampled.scores
         batch = self.to_batch(records, got.completions)
         response_mask = batch["response_mask"]
-        first = got.completions[0].token_ids
+        first = got.completions[0]
         print_sample(
-            self.global_step, cfg.trainer.sample_every, records[0].prompt_text, self.tokenizer, first, float(scores[0])
+            self.global_step,
+            cfg.trainer.sample_every,
+            records[0].prompt_text,
+            self.tokenizer,
+            first.token_ids,
+            float(scores[0]),
+            first.loss_mask,
         )
 
         # ---- 3. Log-probs of the sampling policy and the reference, and the critic's values.

@@ -124,14 +124,33 @@ def keep_rows_up_to(path: Path, resumed_step: int) -> None:
     os.replace(tmp, path)
 
 
-def print_sample(step: int, every: int, prompt: str, tokenizer, response_ids: list[int], reward: float) -> None:
+def print_sample(
+    step: int, every: int, prompt: str, tokenizer, response_ids: list[int], reward: float, loss_mask=None
+) -> None:
     """On step 1 and every `every` steps after (trainer.sample_every; 0: never), one sampled prompt, its response
-    (a multi-turn episode's every turn and observation) and its reward, so the job log shows what the model is
-    asked and says, not only averages. The response is decoded only on those steps: the step pays nothing
+    and its reward, so the job log shows what the model is asked and says, not only averages. A multi-turn
+    episode (a `loss_mask` with observation tokens, 0) shows its turns apart: the model's text, then `| env`
+    and the observation, in turn order. The response is decoded only on those steps: the step pays nothing
     otherwise."""
     if every > 0 and (step % every == 1 or every == 1):
-        response = tokenizer.decode(response_ids, skip_special_tokens=True)
-        print(f"sample: prompt {prompt[-200:]!r} -> response {response[:200]!r}, reward {reward:.4g}", flush=True)
+        shown = " | ".join(
+            f"env {text!r}" if observed else repr(text) for observed, text in _turns(tokenizer, response_ids, loss_mask)
+        )
+        print(f"sample: prompt {prompt[-200:]!r} -> response {shown[:400]}, reward {reward:.4g}", flush=True)
+
+
+def _turns(tokenizer, ids: list[int], loss_mask) -> list[tuple[bool, str]]:
+    """(is an observation, its text) for each run of the model's own tokens and of observation tokens."""
+    if not loss_mask or all(loss_mask):
+        return [(False, tokenizer.decode(ids, skip_special_tokens=True))]
+    runs: list[tuple[bool, list[int]]] = []
+    for token, trained in zip(ids, loss_mask):
+        observed = not trained
+        if runs and runs[-1][0] == observed:
+            runs[-1][1].append(token)
+        else:
+            runs.append((observed, [token]))
+    return [(observed, tokenizer.decode(part, skip_special_tokens=True)) for observed, part in runs]
 
 
 def _fmt(x) -> str:

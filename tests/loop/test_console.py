@@ -34,3 +34,15 @@ def test_sample_every_is_a_checked_key():
     assert load_config("local", ["trainer.sample_every=0"]).trainer.sample_every == 0
     with pytest.raises(ConfigError, match="trainer.sample_every"):
         load_config("local", ["trainer.sample_every=-1"])
+
+
+def test_a_multi_turn_sample_shows_its_turns_apart(capsys):
+    """A multi-turn episode's observations (loss mask 0) are shown after `| env`, the model's turns as they are:
+    which text the model wrote and which the environment answered can be told apart."""
+    tokenizer = CountingTokenizer()
+    ids, mask = [5, 7, 8, 9, 6], [1, 0, 0, 1, 1]
+    print_sample(1, 50, "Guess: ", tokenizer, ids, 1.0, mask)
+    assert capsys.readouterr().out.strip() == "sample: prompt 'Guess: ' -> response '5' | env '7 8' | '9 6', reward 1"
+    assert tokenizer.calls == 3
+    print_sample(1, 50, "2+3=", tokenizer, [5], 0.0, [1])  # one turn: shown whole, as before
+    assert capsys.readouterr().out.strip() == "sample: prompt '2+3=' -> response '5', reward 0"
