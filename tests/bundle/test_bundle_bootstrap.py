@@ -199,3 +199,22 @@ def test_no_task_restates_a_bootstrap_default():
             if name in defaults and value == defaults[name]:
                 restated.append(f"{path.name}: {entry}")
     assert restated == []
+
+
+@pytest.mark.parametrize(
+    ("head", "why"),
+    [
+        ("10.0.0.9;rm -rf /", "is not a host name or IPv4 address: give the running cluster's head address"),
+        ("-h", "is not a host name or IPv4 address"),
+        ("10.213.250.2", "is this node's own address: it names the head of a cluster that runs already"),
+    ],
+)
+def test_a_join_only_worker_refuses_a_head_address_it_cannot_join(head, why):
+    """CLOUDRL_JOIN_HEAD (a rollout node joining another run's cluster): a value that is no address, or the
+    node's own, ends the bootstrap in one line before any Ray process starts."""
+    env = dstack_env(1, ["10.213.250.1", "10.213.250.2"], GPUS_PER_NODE)
+    result = run_bootstrap({**env, "CLOUDRL_JOIN_HEAD": head}, timeout=30)
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"[cloudrl rank 1] error: CLOUDRL_JOIN_HEAD={head} {why}"), line
+    assert "ray start" not in result.stdout
