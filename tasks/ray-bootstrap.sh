@@ -198,6 +198,17 @@ fi
 have_ray="$("$PYTHON" -c 'import ray; print(ray.__version__)')"
 [[ "$have_ray" == "$CLOUDRL_RAY_VERSION" ]] ||
     die "Ray $have_ray is installed but cloudrl needs $CLOUDRL_RAY_VERSION."
+# Bubblewrap, which the trainer's code sandbox runs model-written programs with (without it, its own launcher).
+if [[ "${CLOUDRL_INSTALL_BWRAP:-1}" == 1 ]] && ! command -v bwrap >/dev/null 2>&1; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1 &&
+        timeout 180 bash -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap' \
+            >/dev/null 2>&1; then
+        log "installed bubblewrap for the code sandbox"
+    else
+        log "warning: bubblewrap is not installed (apt-get as root failed or is missing): model-written code runs" \
+            "under cloudrl's own sandbox launcher"
+    fi
+fi
 INSTALLED="$(date +%s.%N)"
 report_phase installed
 

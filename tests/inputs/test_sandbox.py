@@ -14,11 +14,24 @@ import time
 from pathlib import Path
 
 import pytest
+from cloudrl.trainer.inputs import sandbox
 from cloudrl.trainer.inputs.rewards import code_tests
 from cloudrl.trainer.inputs.sandbox import Limits, run_many, run_python
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
 QUICK = Limits(timeout_s=3.0, memory_mb=256, output_bytes=4096)
+
+
+@pytest.fixture(autouse=True, params=["bwrap", "launcher"])
+def backend(request, monkeypatch):
+    """Every test runs on both ways of walling code off: bubblewrap (where the node has it and the trainer is
+    root) and the hand-written launcher, which must hold the very same line."""
+    if request.param == "bwrap" and (shutil.which("bwrap") is None or os.geteuid() != 0):
+        pytest.skip("bubblewrap runs the sandbox only where `bwrap` is installed and the trainer is root")
+    monkeypatch.setenv(sandbox.SANDBOX_ENV, request.param)
+    sandbox._bubblewrap.cache_clear()
+    yield request.param
+    sandbox._bubblewrap.cache_clear()
 
 
 def test_a_good_program_gets_its_stdout_and_stdin():
@@ -61,7 +74,9 @@ def test_no_socket_reaches_a_server_on_the_callers_loopback():
     finally:
         server.close()
     assert not result.ok and "connected" not in result.stdout
-    assert "unreachable" in result.stderr
+    # The launcher leaves its namespace's loopback down, bubblewrap brings up one of its own: either way the
+    # address is not the host's, and nothing listens there.
+    assert "Network is unreachable" in result.stderr or "ConnectionRefusedError" in result.stderr
 
 
 def test_no_unix_socket_on_the_hosts_filesystem_is_reachable():
@@ -336,8 +351,10 @@ open({target!r}, 'w').write('escaped')
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"), reason="needs root and setpriv")
-def test_as_a_non_root_user_the_code_keeps_no_capability_and_cannot_remount(tmp_path):
+def test_as_a_non_root_user_the_code_keeps_no_capability_and_cannot_remount(tmp_path, backend):
     """The user-namespace mode: the trainer runs as nobody, the code runs as uid 0 of its own namespace."""
+    if backend == "bwrap":
+        pytest.skip("a trainer that is not root runs the launcher: the launcher's run of this test covers it")
     system_python = "/usr/bin/python3"
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
     if not os.path.exists(system_python):
@@ -381,3 +398,96 @@ def test_as_a_non_root_user_the_code_keeps_no_capability_and_cannot_remount(tmp_
         assert as_nobody(script, forge).strip() == "[0.0]"
     finally:
         shutil.rmtree(shared)
+
+
+def test_only_the_interpreter_and_its_scratch_directory_are_in_sight(backend):
+    """bubblewrap builds the code a root of its own: /usr, the system libraries and the Python installation,
+    nothing else of the host's, so a world-readable file elsewhere (a dataset, a config) cannot be read. The
+    hand-written launcher shows the host's tree read-only, which the module docstring says."""
+    shared = tempfile.mkdtemp(prefix="cloudrl-visible-", dir="/var/tmp")
+    try:
+        secret = Path(shared) / "readable.txt"
+        secret.write_text("anyone may read this")
+        os.chmod(shared, 0o755)
+        os.chmod(secret, 0o644)
+        result = run_python(f"print(open({str(secret)!r}).read())", QUICK)
+    finally:
+        shutil.rmtree(shared)
+    if backend == "launcher":
+        assert result.ok and "anyone may read this" in result.stdout
+        return
+    assert not result.ok and "FileNotFoundError" in result.stderr
+    listing = run_python("import os\nprint(sorted(os.listdir('/')))", QUICK)
+    assert listing.ok, listing.stderr
+    assert set(eval(listing.stdout)) <= {
+        "bin",
+        "dev",
+        "etc",
+        "lib",
+        "lib32",
+        "lib64",
+        "libx32",
+        "proc",
+        "sbin",
+        "tmp",
+        "usr",
+    } | {p.strip("/").split("/")[0] for p in sandbox._installation()}
+
+
+def _descendants(root: int) -> dict[int, int]:
+    """{pid: parent pid} of every process below `root`, from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    below, frontier = {}, {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in below}
+        below.update({pid: parents[pid] for pid in frontier})
+    return below
+
+
+def test_the_code_runs_as_a_uid_of_its_own_on_the_host(backend):
+    """Seen from the host, the sandboxed program belongs to the run's own uid, never root's: the launcher drops
+    to it before the code starts, and bubblewrap is started as it, so its user namespace maps nothing to root."""
+    if os.geteuid() != 0:
+        pytest.skip("as a non-root user the code runs as that user: the test is for a root trainer")
+    uids: list[int] = []
+
+    def look() -> None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not uids:
+            below = _descendants(os.getpid())
+            leaves = [pid for pid in below if pid not in below.values()]
+            for pid in leaves:
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    status = Path(f"/proc/{pid}/status").read_text()
+                except OSError:
+                    continue
+                if b"main.py" in cmdline and b"sandbox_launcher" not in cmdline:
+                    uids.extend(int(u) for u in status.split("Uid:")[1].split()[:4])
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=look)
+    watcher.start()
+    result = run_python("import time\ntime.sleep(1.5)", QUICK)
+    watcher.join()
+    assert result.ok, result.stderr
+    assert uids and min(uids) >= sandbox._UID_BASE, uids  # real, effective, saved and filesystem uid
+
+
+def test_a_sandbox_choice_that_cannot_be_had_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv(sandbox.SANDBOX_ENV, "docker")
+    sandbox._bubblewrap.cache_clear()
+    with pytest.raises(sandbox.SandboxUnavailable, match=r"CLOUDRL_SANDBOX=docker: give auto, bwrap or launcher"):
+        run_python("print(1)", QUICK)
+    monkeypatch.setenv(sandbox.SANDBOX_ENV, "bwrap")
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    sandbox._bubblewrap.cache_clear()
+    if os.geteuid() == 0:
+        with pytest.raises(sandbox.SandboxUnavailable, match=r"CLOUDRL_SANDBOX=bwrap: no bubblewrap that runs here"):
+            run_python("print(1)", QUICK)

@@ -5,7 +5,10 @@
     result = run_python("print(sum(range(10)))", Limits(timeout_s=2))
     result.ok, result.stdout, result.reason          # True, "45\\n", ""
 
-Each run gets (see sandbox_launcher.py for how):
+Two ways wall the code off, with the same limits and the same tests: bubblewrap (`bwrap`), for a trainer that
+runs as root on a node that has it (started as the run's own unprivileged uid, its root directory holding only
+/usr, the system libraries and the Python installation), else the hand-written launcher; CLOUDRL_SANDBOX
+(auto, bwrap, launcher) chooses. Both start from sandbox_launcher.py. Each run gets:
 
 - a wall-time limit: the whole process tree is killed after `timeout_s` (CPU time is capped a little
   above it too), reported as "timed out after 5s";
@@ -46,6 +49,7 @@ import json
 import os
 import secrets
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +70,8 @@ NICE = 10
 """CPU priority below the trainer's."""
 SETUP_EXIT = 125
 _LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+SANDBOX_ENV = "CLOUDRL_SANDBOX"
+"""auto (bubblewrap where it works, else the hand-written launcher), bwrap (refuse without it) or launcher."""
 _UID_BASE = 2_000_000_000
 """Runs as root take a uid/gid at random above this: no account on the host has it."""
 _GRACE_S = 5.0
@@ -142,6 +148,7 @@ def _run(code: str, limits: Limits, stdin: str, as_root: bool, group: sandbox_cg
         "expose": _installation(),
         "env": _ENV,
         "status_fd": status_write,
+        "bwrap": _bubblewrap(as_root),
     }
     payload = json.dumps({"code": code, "stdin": stdin}).encode()
     try:
@@ -166,7 +173,8 @@ def _run(code: str, limits: Limits, stdin: str, as_root: bool, group: sandbox_cg
         os.close(status_read)
     stdout, stderr, status = (_text(b) for b in outputs)
     if status.startswith("error "):
-        raise SandboxUnavailable(f"the sandbox could not isolate the code: {status[6:].strip()}")
+        said = stderr.strip().splitlines()[-1:] if settings["bwrap"] else []  # bwrap's, the code never ran
+        raise SandboxUnavailable(f"the sandbox could not isolate the code: {': '.join([status[6:].strip(), *said])}")
     if group is not None and group.oom_killed():
         return Execution(False, stdout, stderr, f"memory limit {limits.memory_mb} MB")
     if timed_out:
@@ -203,6 +211,52 @@ def _installation() -> list[str]:
     found = [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))]
     found.append(os.path.dirname(os.path.realpath(sys.executable)))
     return list(dict.fromkeys(found))
+
+
+@functools.cache
+def _bubblewrap(as_root: bool) -> str | None:
+    """The bubblewrap (`bwrap`) the sandbox runs code with: for a root trainer, where this node has one that
+    works as an unprivileged uid (tried for real once per process), unless CLOUDRL_SANDBOX=launcher asks for
+    the hand-written path; None: the hand-written path (sandbox_launcher.py). A trainer that is not root runs
+    the hand-written path (bubblewrap would need a uid of its own to start as)."""
+    choice = os.environ.get(SANDBOX_ENV, "auto")
+    if choice not in ("auto", "bwrap", "launcher"):
+        raise SandboxUnavailable(f"{SANDBOX_ENV}={choice}: give auto, bwrap or launcher")
+    if choice == "launcher" or (choice == "auto" and not as_root):
+        return None
+    if not as_root:
+        raise SandboxUnavailable(
+            f"{SANDBOX_ENV}=bwrap: the sandbox runs bubblewrap for a trainer that runs as root only; run it as "
+            f"root, or leave {SANDBOX_ENV} unset"
+        )
+    found = shutil.which("bwrap")
+    if found is not None and not _bubblewrap_works(found):
+        found = None
+    if found is None and choice == "bwrap":
+        raise SandboxUnavailable(
+            f"{SANDBOX_ENV}=bwrap: no bubblewrap that runs here (install the bubblewrap package; it needs "
+            f"unprivileged user namespaces), or leave {SANDBOX_ENV} unset"
+        )
+    return found
+
+
+def _bubblewrap_works(bwrap: str) -> bool:
+    """Whether `bwrap` can make its namespaces as an unprivileged uid of the sandbox's range."""
+    ident = _UID_BASE + secrets.randbelow(1 << 24)
+    try:
+        probe = subprocess.run(
+            [bwrap, "--unshare-all", "--uid", str(ident), "--ro-bind", "/", "/", "--cap-drop", "ALL", "true"],
+            env=_ENV,
+            cwd="/",
+            capture_output=True,
+            timeout=30,
+            user=ident,
+            group=ident,
+            extra_groups=[],
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return probe.returncode == 0
 
 
 _NAMESPACES = 0x10000000 | 0x00020000 | 0x40000000 | 0x20000000 | 0x08000000  # user, mount, network, PID, IPC

@@ -19,6 +19,11 @@ Standard library only, and run by path (not imported), so it starts in milliseco
    attacked interfaces), and execs `python -I main.py` with a minimal environment;
 3. waits for it and reports how it ended on the status pipe (`exit N` or `signal N`).
 
+With `bwrap` in its settings (a root trainer on a node with bubblewrap), steps 1 and 2 go through bubblewrap
+instead (`_run_in_bwrap`): after the cgroup, a child enters a mount namespace of its own only to make the
+Python installation reachable, takes the run's uid, gid and limits, and execs bwrap as that uid with the
+command line of `bwrap_command`, the same seccomp filter passed as a file.
+
 A setup step that fails is reported as `error ...` on the status pipe and exit 125; the parent raises it.
 The untrusted program cannot write to the status pipe: it is closed on exec.
 """
@@ -306,19 +311,7 @@ def _wall_off(settings: dict, payload: dict) -> None:
     status_fd = settings["status_fd"]
     os.closerange(3, status_fd)
     os.closerange(status_fd + 1, 1 << 16)
-    memory = settings["memory_mb"] << 20
-    cpu_s = settings["cpu_s"]
-    limits = [
-        (resource.RLIMIT_AS, memory),
-        (resource.RLIMIT_CPU, cpu_s),
-        (resource.RLIMIT_NPROC, settings["max_processes"]),
-        (resource.RLIMIT_FSIZE, scratch_mb << 20),
-        (resource.RLIMIT_NOFILE, 256),
-        (resource.RLIMIT_CORE, 0),
-    ]
-    for which, value in limits:
-        # The hard CPU limit a second later: SIGXCPU at the soft one, SIGKILL if it is caught.
-        resource.setrlimit(which, (value, value + 1 if which == resource.RLIMIT_CPU else value))
+    _limit(settings, settings["max_processes"])
     _drop_bounding_set()
     _check(_libc.prctl(PR_SET_SECUREBITS, SECUREBITS, 0, 0, 0), "prctl(PR_SET_SECUREBITS)")
     if settings["as_root"]:
@@ -335,6 +328,128 @@ def _wall_off(settings: dict, payload: dict) -> None:
     os.execve(python, [python, "-I", "main.py"], settings["env"])
 
 
+_SYSTEM_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+"""Top-level directories an interpreter may load from besides /usr: bound as they are, or, where they are
+links into /usr (a merged /usr), made the same links."""
+
+
+def bwrap_command(settings: dict, code_fd: int, seccomp_fd: int | None, started_fd: int) -> list[str]:
+    """The bubblewrap command line that runs main.py walled off as the hand-written path does: new user, PID
+    (the program its first process), network, IPC, UTS and cgroup namespaces; a root of its own holding only
+    /usr and the system library directories, /etc/ld.so.cache and the Python installation (`expose`), all
+    read-only and nosuid, a fresh /proc, a minimal /dev and a tmpfs of `scratch_mb` on /tmp (its working
+    directory, holding main.py from `code_fd`), the only place it can write (bwrap's own root is remounted
+    read-only); no capability (bounding set included), no_new_privs (bwrap always sets it), a session of its
+    own, dying with its launcher; the seccomp filter from `seccomp_fd`; only `env`. The interpreter writes to
+    `started_fd` and closes it before it reads main.py: once it has, a failure is the program's, never the
+    sandbox's."""
+    uid, gid = settings["uid"], settings["gid"]
+    args = [settings["bwrap"], "--unshare-all", "--uid", str(uid), "--gid", str(gid), "--as-pid-1"]
+    args += ["--die-with-parent", "--new-session", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+    for path in _SYSTEM_DIRS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    for path in settings["expose"]:
+        args += ["--ro-bind", path, path]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += ["--size", str(settings["scratch_mb"] << 20), "--perms", "0700", "--tmpfs", SCRATCH]
+    args += ["--file", str(code_fd), f"{SCRATCH}/main.py", "--remount-ro", "/", "--chdir", SCRATCH, "--clearenv"]
+    for name, value in settings["env"].items():
+        args += ["--setenv", name, value]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
+    start = (
+        f"import os as _o;_o.write({started_fd},b'1');_o.close({started_fd});del _o;__file__='main.py';"
+        "import sys;sys.argv=['main.py'];del sys;exec(compile(open('main.py','rb').read(),'main.py','exec'))"
+    )
+    return [*args, settings["python"], "-I", "-c", start]
+
+
+def _memfd(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding `data`, read from its start: no size limit of a pipe, no path."""
+    fd = os.memfd_create(name, 0)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _close_all_but(keep: list[int]) -> None:
+    """Close every descriptor from 3 up but those in `keep`."""
+    low = 3
+    for fd in sorted(keep):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 16)
+
+
+def _limit(settings: dict, processes: int) -> None:
+    """The run's resource limits, inherited by everything it starts (as in `_wall_off`)."""
+    memory = settings["memory_mb"] << 20
+    limits = [
+        (resource.RLIMIT_AS, memory),
+        (resource.RLIMIT_CPU, settings["cpu_s"]),
+        (resource.RLIMIT_NPROC, processes),
+        (resource.RLIMIT_FSIZE, settings["scratch_mb"] << 20),
+        (resource.RLIMIT_NOFILE, 256),
+        (resource.RLIMIT_CORE, 0),
+    ]
+    for which, value in limits:
+        # The hard CPU limit a second later: SIGXCPU at the soft one, SIGKILL if it is caught.
+        resource.setrlimit(which, (value, value + 1 if which == resource.RLIMIT_CPU else value))
+
+
+def _run_in_bwrap(settings: dict, payload: dict, status) -> int:
+    """As root: a child takes the run's own unprivileged uid/gid and limits and execs bwrap, which walls the
+    program off in an unprivileged user namespace (so its uid outside is that uid, never root's); this process
+    waits and reports how the program ended. bwrap's own process counts as one of the uid's processes."""
+    code = _memfd("main.py", payload["code"].encode())
+    stdin = _memfd("stdin", payload["stdin"].encode())
+    program = seccomp_program(platform.machine())
+    filters = b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
+    seccomp = _memfd("seccomp", filters) if program else None
+    started_read, started_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(started_read)
+            os.dup2(stdin, 0)
+            # A mount namespace of this launcher's own, where an installation under a directory the uid cannot
+            # enter (a 0700 /root holding pyenv) is made reachable for bwrap to bind (`_expose`).
+            _check(_libc.unshare(CLONE_NEWNS), "unshare (a mount namespace)")
+            _mount(None, "/", None, MS_REC | MS_PRIVATE, None, "making mounts private")
+            _expose(settings["expose"])
+            passed = [fd for fd in (code, seccomp, started_write) if fd is not None]
+            for fd in passed:
+                os.set_inheritable(fd, True)
+            _close_all_but([*passed, status.fileno()])  # the status pipe closes on exec: bwrap never has it
+            _limit(settings, settings["max_processes"] + 1)
+            os.setgroups([])
+            os.setgid(settings["gid"])
+            os.setuid(settings["uid"])
+            command = bwrap_command(settings, code, seccomp, started_write)
+            os.execve(command[0], command, settings["env"])
+        except (OSError, SetupError) as exc:
+            status.write(f"error starting bubblewrap: {exc}\n")
+            status.flush()
+        os._exit(125)
+    os.close(started_write)
+    with os.fdopen(started_read, "rb") as started:
+        ran = started.read(1) == b"1"  # until the interpreter closes it, or bwrap fails and exits
+    _, code_status = os.waitpid(pid, 0)
+    if not ran:
+        status.write("error bubblewrap could not set the sandbox up\n")
+        return 125
+    # bwrap exits with the program's code, or 128 + the signal that ended it: above 128 is read as a signal.
+    code = os.waitstatus_to_exitcode(code_status)
+    status.write(f"signal {code - 128}\n" if code > 128 else f"exit {code}\n" if code >= 0 else f"signal {-code}\n")
+    return 0
+
+
 def main() -> int:
     settings = json.loads(sys.argv[1])
     status_fd = settings["status_fd"]
@@ -346,6 +461,8 @@ def main() -> int:
             with open(settings["cgroup_procs"], "w") as procs:
                 procs.write("0")
         os.nice(settings["nice"])
+        if settings.get("bwrap"):
+            return _run_in_bwrap(settings, payload, status)
         _enter_namespaces(settings["as_root"])
     except (OSError, SetupError) as exc:
         status.write(f"error {exc}\n")
