@@ -491,3 +491,17 @@ def test_a_sandbox_choice_that_cannot_be_had_is_refused_in_one_line(monkeypatch)
     if os.geteuid() == 0:
         with pytest.raises(sandbox.SandboxUnavailable, match=r"CLOUDRL_SANDBOX=bwrap: no bubblewrap that runs here"):
             run_python("print(1)", QUICK)
+
+
+def test_a_code_reward_on_a_node_that_cannot_isolate_code_fails_at_start_in_one_line(monkeypatch):
+    """`code_tests` checks the sandbox where it will score (a reward worker's start, or the driver's with
+    reward.in_driver): a node that cannot isolate code ends the run there, in one line, not at the first reward."""
+    from cloudrl.trainer.inputs.rewards import check_reward_runs, code_tests, resolve_reward_fn
+
+    check_reward_runs(code_tests)  # this node can: nothing raised
+    check_reward_runs(resolve_reward_fn("arithmetic"))  # no code to run: no probe at all
+    monkeypatch.setattr(sandbox, "_user_namespaces", lambda: False)
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    with pytest.raises(sandbox.SandboxUnavailable, match="needs root or unprivileged user namespaces") as caught:
+        check_reward_runs(code_tests)
+    assert "\n" not in str(caught.value)

@@ -23,7 +23,7 @@ from ..state import checkpoint, layout, resume_checks, timeline
 from ..state.run_dir import resume_point, under_runs_dir
 from .data import PromptRecord, load_prompts
 from .models import load_tokenizer, quiet_transformers, resolve_path
-from .rewards import resolve_reward, score_responses
+from .rewards import check_reward_runs, resolve_reward, score_responses
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,8 @@ def prepare(cfg: Config, start: ResumePoint | None = None) -> Inputs:
         name: load_prompts(files, tokenizer, split="val", **options) for name, files in cfg.data.val_sets.items()
     }
     reward_fn = resolve_reward(cfg.reward)
+    if cfg.reward.in_driver:  # the driver scores: code_tests needs the sandbox here
+        check_reward_runs(reward_fn)
     if not eval_only:  # run_dir's timeline is left as it is when scoring a model
         resume_from = resume.path if resume is not None else None
         timeline.begin_timeline(cfg.trainer.run_dir, resume_from, continuing=cfg.trainer.resume == "auto")

@@ -357,6 +357,15 @@ def resolve_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+def check_reward_runs(fn: RewardFn) -> None:
+    """Before a process scores with `fn`: a reward that runs model-written code (`code_tests`) needs the sandbox,
+    so a node that cannot isolate code fails here, at start, in one line."""
+    if fn is code_tests:
+        from .sandbox import check_available
+
+        check_available()
+
+
 def resolve_reward(reward) -> RewardFn:
     """The reward of `Config.reward`: `reward.function`, plus `reward.url_weight` times the HTTP scorer's
     score when `reward.url` is set (`reward.function=none`: the scorer's alone)."""

@@ -183,6 +183,17 @@ def _run(code: str, limits: Limits, stdin: str, as_root: bool, group: sandbox_cg
     return Execution(ok, stdout, stderr, reason)
 
 
+def check_available() -> None:
+    """Run a trivial program once, so a process that will run model-written code fails at its start, in one
+    line (SandboxUnavailable), on a node that cannot isolate it, rather than at its first reward."""
+    result = run_python("pass", Limits(timeout_s=30))
+    if not result.ok:
+        raise SandboxUnavailable(
+            f"the sandbox could not run a trivial program here ({result.reason}: "
+            f"{(result.stderr.strip().splitlines() or [''])[-1][:200]}): model-written code cannot be run safely"
+        )
+
+
 def run_many(codes: list[str], limits: Limits = Limits(), max_parallel: int = 0) -> list[Execution]:
     """Run each program with `run_python`, at most `max_parallel` at once (0: the CPUs this process may use),
     results in the order of `codes`."""

@@ -433,10 +433,11 @@ class RewardWorker(WorkerBase):
         try:
             super().__init__(cfg_dict, rank, world_size)
             from ..inputs.models import load_reward_model, load_tokenizer
-            from ..inputs.rewards import resolve_reward
+            from ..inputs.rewards import check_reward_runs, resolve_reward
 
             self.tokenizer = load_tokenizer(on_this_node(model_path), self.cfg.model.trust_remote_code)
             self.fn = resolve_reward(self.cfg.reward)
+            check_reward_runs(self.fn)  # code_tests on a node that cannot isolate code: one line, at start
             self.reward_model = None
             self.rm_tokenizer = None
             if reward_model_path is not None:
