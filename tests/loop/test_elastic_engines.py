@@ -47,5 +47,8 @@ def test_an_engine_starts_on_a_node_that_joins_and_generates_from_the_next_push(
     assert {alive[s] for s in range(1, joined_after + 1)} == {1}  # no room until the node joined
     after = [r for r in steps if r["step"] > joined_at]
     assert len(after) >= 5 and {r["rollout/engines_alive"] for r in after} == {2}
+    # per engine: before the join engine 0 generated every sample; after it the new engine 1 generates its share
+    assert all(r["rollout/engine_0_samples"] == r["rollout/samples"] for r in steps if r["step"] <= joined_after)
+    assert all(r["rollout/engine_1_samples"] > 0 for r in after)
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in after)  # the new engine has the trainer's weights
     assert all(r["trainer/restarts"] == 0 for r in steps)

@@ -230,12 +230,16 @@ def test_a_lost_engines_prompts_go_to_the_others_and_a_new_engine_joins_at_the_n
     assert [c.token_ids[1] for c in got.completions] == [p for p in range(100, 109) for _ in range(2)]
     assert got.scores().tolist() == [float(p) for p in range(100, 109) for _ in range(2)]
     assert got.requeued == 3 and got.engines_alive == 2 and group.respawned == [1]
-    assert got.metrics(torch.ones(18, 1))["rollout/engines_alive"] == 2
+    metrics = got.metrics(torch.ones(18, 1))
+    assert metrics["rollout/engines_alive"] == 2
+    # per engine: the lost engine 1 generated nothing of the batch; its 3 prompts (6 samples) went to the others
+    assert set(got.by_engine) == {0, 2} and sum(got.by_engine.values()) == 18 and min(got.by_engine.values()) > 6
+    assert metrics["rollout/engine_0_samples"] == got.by_engine[0] and "rollout/engine_1_samples" not in metrics
 
     ray.get(group.workers[1].where.remote())  # the replacement has started
     queue.push(ray.put({"version": 1}))
     second = queue.take(2, _prompts(200, 9), settings)
-    assert second.engines_alive == 3 and second.requeued == 0
+    assert second.engines_alive == 3 and second.requeued == 0 and second.by_engine == {0: 6, 1: 6, 2: 6}
     assert {c.token_ids[0] for c in second.completions} == {1}  # the new engine got the push before its part
     assert [c.token_ids[1] for c in second.completions] == [p for p in range(200, 209) for _ in range(2)]
 
@@ -311,7 +315,7 @@ def test_an_added_engine_joins_at_a_push_and_gets_every_later_one(ray_local, cap
     ray.get(group.workers[2].where.remote())
     queue.push(ray.put({"version": 3}))  # engine 2 joins; no engine 3: max_engines=3
     got = queue.take(4, _prompts(0, 6), settings)
-    assert got.engines_alive == 3 and len(group.workers) == 3
+    assert got.engines_alive == 3 and len(group.workers) == 3 and got.by_engine == {0: 2, 1: 2, 2: 2}
     assert {c.token_ids[0] for c in got.completions} == {3}
     assert [c.token_ids[1] for c in got.completions] == list(range(6))
     out = capsys.readouterr().out
