@@ -17,8 +17,8 @@ runs as root on a node that has it (started as the run's own unprivileged uid, i
   space per process (`RLIMIT_AS`); reported as "memory limit 512 MB";
 - at most MAX_PROCESSES processes and threads (UNCAPPED_PROCESSES where there is no cgroup, so its memory
   stays within twice `memory_mb`), files up to the scratch size, 256 open files, no core dumps;
-- no network: a network namespace of its own, whose only interface (loopback) is down, so neither the
-  internet nor services on the trainer's 127.0.0.1 can be reached;
+- no network: a network namespace of its own, whose only interface is its own loopback (down under the
+  launcher), so neither the internet nor services on the trainer's 127.0.0.1 can be reached;
 - nothing of the caller's environment: `python -I` with a minimal environment (PATH=/usr/bin:/bin, HOME
   and TMPDIR the scratch directory, one-thread BLAS), so no tokens or keys; a PID namespace and a fresh
   /proc, so other processes' command lines and environments are out of sight;
