@@ -265,15 +265,20 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
+def seccomp_filter() -> bytes:
+    """This machine's filter as the kernel takes it (struct sock_filter after struct sock_filter); b"" where
+    no syscall table is known for it. `_install_seccomp` installs it; bubblewrap reads it from a file."""
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in seccomp_program(platform.machine()))
+
+
 def _install_seccomp() -> None:
     """Install the filter (after no_new_privs, which lets an unprivileged process do so); it holds for the
     program and everything it starts, and nothing can lift it."""
-    program = seccomp_program(platform.machine())
-    if not program:
+    code = seccomp_filter()
+    if not code:
         return
-    code = b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
     buffer = ctypes.create_string_buffer(code, len(code))
-    fprog = _SockFprog(len(program), ctypes.cast(buffer, ctypes.c_void_p))
+    fprog = _SockFprog(len(code) // 8, ctypes.cast(buffer, ctypes.c_void_p))
     _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "prctl(PR_SET_SECCOMP)")
 
 
@@ -409,9 +414,8 @@ def _run_in_bwrap(settings: dict, payload: dict, status) -> int:
     waits and reports how the program ended. bwrap's own process counts as one of the uid's processes."""
     code = _memfd("main.py", payload["code"].encode())
     stdin = _memfd("stdin", payload["stdin"].encode())
-    program = seccomp_program(platform.machine())
-    filters = b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
-    seccomp = _memfd("seccomp", filters) if program else None
+    filters = seccomp_filter()
+    seccomp = _memfd("seccomp", filters) if filters else None
     started_read, started_write = os.pipe()
     pid = os.fork()
     if pid == 0:
