@@ -3,7 +3,7 @@ scoring) are timed one by one, and a worker that takes 1.5x the others' median f
 once, with its node, in the job log; `health/stragglers` counts the workers named so far.
 
     stragglers = Stragglers()
-    for line in stragglers.observe("generation", {"engine rank 0 on 10.0.0.2": 4.1, "engine rank 1 on ...": 9.8}):
+    for line in stragglers.observe("generation", {"rollout rank 0 on 10.0.0.2": 4.1, "rollout rank 1 on ...": 9.8}):
         print(line)
 
 The hang watch (hangs.py) feeds it the time from a phase's send to each call's answer, as the driver saw it.
@@ -21,7 +21,8 @@ FACTOR = 1.5
 STEPS = 3
 """Slow this many times in a row, a worker is named."""
 MIN_SECONDS = 0.5
-"""Phases whose others' median is shorter are not judged: noise, not a slow node."""
+"""A call must also take this much longer than the others' median to be slow: a gap under it is noise, not a
+slow node (0.1 s against 0.4 s), while a call of 8 s against the others' 0.2 s is slow."""
 
 
 class Stragglers:
@@ -39,7 +40,7 @@ class Stragglers:
             return lines
         for label, took in seconds.items():
             others = statistics.median(t for other, t in seconds.items() if other != label)
-            slow = others >= self.min_seconds and took >= self.factor * others
+            slow = took - others >= self.min_seconds and took >= self.factor * others
             key = (phase, label)
             self.in_a_row[key] = self.in_a_row[key] + 1 if slow else 0
             if self.in_a_row[key] >= self.steps and label not in self.named:

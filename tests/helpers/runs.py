@@ -75,6 +75,60 @@ def start_worker_node(state: dict, name: str, cpus: int, env: dict | None = None
     return spawn(args, root / f"{name}.log", {**cluster._node_env(), **(env or {})})
 
 
+CPU_CONTROLLERS = (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup"))
+"""Where a cgroup v1 cpu controller, or a cgroup v2 hierarchy with one, is mounted on Linux."""
+
+
+def cpu_controller() -> Path | None:
+    """The writable cgroup cpu controller's root (v1 `cpu.cfs_quota_us` or v2 `cpu.max`), else None."""
+    v1, v2 = CPU_CONTROLLERS
+    if (v1 / "cpu.cfs_quota_us").exists() and os.access(v1, os.W_OK):
+        return v1
+    controllers = v2 / "cgroup.controllers"
+    if controllers.exists() and "cpu" in controllers.read_text().split() and os.access(v2, os.W_OK):
+        return v2
+    return None
+
+
+@contextlib.contextmanager
+def cpu_limited(node: dict, percent: int):
+    """Every process of `node` (from start_worker_node) held to `percent`% of one CPU by a cgroup of its own,
+    as a throttled GPU or a busy host makes a node slow; the workers its raylet starts later inherit it. On
+    exit the processes left go back to the root cgroup and the cgroup is removed."""
+    import secrets
+
+    from cloudrl.cli.node_processes import node_processes
+
+    root = cpu_controller()
+    assert root is not None, "no writable cgroup cpu controller: check cpu_controller() before"
+    group = root / f"cloudrl-test-slow-{secrets.token_hex(4)}"
+    group.mkdir()
+    try:
+        period = 100_000
+        if root.name == "cpu":
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(period * percent // 100))
+        else:
+            (group / "cpu.max").write_text(f"{period * percent // 100} {period}")
+        for proc in node_processes(node):
+            with contextlib.suppress(OSError):  # a process that has just ended
+                (group / "cgroup.procs").write_text(str(proc.pid))
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (root / "cgroup.procs").write_text(pid)
+        deadline = time.monotonic() + 5  # a process moved out can take a moment to leave the count
+        while True:
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
 def wait_nodes(state: dict, count: int, timeout_s: float = 120) -> None:
     """Until the `local_cluster` at `state` has `count` alive nodes (bounded)."""
     from cloudrl.cli import local_cluster as cluster

@@ -7,7 +7,7 @@ import pytest
 from cloudrl.trainer import hangs
 from cloudrl.trainer.stragglers import Stragglers
 
-FAST, SLOW = "engine rank 0 on 10.0.0.2", "engine rank 1 on 10.0.0.3"
+FAST, SLOW = "rollout rank 0 on 10.0.0.2", "rollout rank 1 on 10.0.0.3"
 
 
 def test_a_worker_slow_three_rounds_in_a_row_is_named_once():
@@ -20,6 +20,14 @@ def test_a_worker_slow_three_rounds_in_a_row_is_named_once():
     assert s.metrics() == {"health/stragglers": 1.0}
 
 
+def test_a_slow_worker_in_a_short_phase_is_named_when_it_is_half_a_second_late():
+    s = Stragglers()
+    for _ in range(2):
+        assert s.observe("generation", {FAST: 0.2, SLOW: 8.0}) == []
+    (line,) = s.observe("generation", {FAST: 0.2, SLOW: 8.0})
+    assert line.startswith(f"straggler: {SLOW} took 40.0x the others' median generation time (8.0s against 0.2s)")
+
+
 def test_a_round_at_normal_speed_starts_the_count_again():
     s = Stragglers()
     for seconds in (9.0, 9.0, 4.2, 9.0, 9.0):
@@ -30,7 +38,7 @@ def test_a_round_at_normal_speed_starts_the_count_again():
 def test_short_phases_and_lone_workers_are_not_judged():
     s = Stragglers()
     for _ in range(5):
-        assert s.observe("reward", {FAST: 0.1, SLOW: 0.4}) == []  # the others' median under half a second
+        assert s.observe("reward", {FAST: 0.1, SLOW: 0.4}) == []  # 4x, but less than half a second longer
         assert s.observe("generation", {SLOW: 60.0}) == []  # nobody to compare with
         assert s.observe("critic update", {FAST: 4.0, SLOW: 5.9}) == []  # under 1.5x
     assert s.metrics() == {"health/stragglers": 0.0}

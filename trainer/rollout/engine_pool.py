@@ -5,7 +5,7 @@
     pool.grow_to(4)                 # rollout.elastic: more engines as the cluster has room for them
     pool.alive()                    # the engines to send work to
     pool.lost_one(engine, exc)      # its call ended with its actor's death
-    pool.admit()                    # at a push, before its weights are sent: the started ones join
+    pool.admit()                    # at a push, before its weights are sent: the started ones join (their times)
 
 An engine holds no training state: its weights are the last push, its work one batch's part. So where the
 weights reach the engines through the object store (`WeightPush.engines_replaceable`), the loss of one is
@@ -104,10 +104,13 @@ class EnginePool:
         self.joining[engine] = (handle, handle.where.remote())
         self.asked[engine] = time.monotonic()
 
-    def admit(self) -> None:
-        """The engines that have started join now (called at a push, before its weights are sent)."""
+    def admit(self) -> dict[str, float]:
+        """The engines that have started join now (called at a push, before its weights are sent). Returns the
+        push's metrics: the longest time from a loss to its replacement joining (`rollout/engine_replace_s`) and
+        from asking for an added engine to its joining (`rollout/engine_join_s`), each only where one joined."""
         import ray
 
+        took: dict[str, float] = {}
         for engine, (handle, ready) in sorted(self.joining.items()):
             if not ray.wait([ready], timeout=0)[0]:
                 continue
@@ -122,19 +125,24 @@ class EnginePool:
             if engine == len(self.actors):  # added
                 self.actors.append(handle)
                 self.labels.append(label)
+                seconds = time.monotonic() - asked
+                took["rollout/engine_join_s"] = max(seconds, took.get("rollout/engine_join_s", 0.0))
                 print(
-                    f"{label} joined (rollout.elastic, {time.monotonic() - asked:.0f} s after it was asked for): "
+                    f"{label} joined (rollout.elastic, {seconds:.0f} s after it was asked for): "
                     f"{len(self.alive())} engine(s) generate from the next batch, with the weights pushed now",
                     flush=True,
                 )
             else:
                 self.actors[engine] = handle
                 self.labels[engine] = label
+                seconds = time.monotonic() - self.lost.pop(engine)
+                took["rollout/engine_replace_s"] = max(seconds, took.get("rollout/engine_replace_s", 0.0))
                 print(
-                    f"{label} is back {time.monotonic() - self.lost.pop(engine):.0f} s after the loss: it generates "
-                    f"from the next batch, with the weights pushed now",
+                    f"{label} is back {seconds:.0f} s after the loss: it generates from the next batch, with the "
+                    f"weights pushed now",
                     flush=True,
                 )
+        return took
 
     def _not_started(self, engine: int, exc: BaseException) -> None:
         """A replacement or an added engine failed before it answered. One that died starting is replaced

@@ -318,10 +318,11 @@ class RolloutQueue:
     def push(self, weights, others: list = (), other_labels: list[str] = ()) -> dict[str, float]:
         """Send `weights` (an object ref to `PolicyWorker.weights`) to every engine without waiting.
         `others`: calls the push depends on that `settle` checks as well (the other actor ranks'
-        part in gathering the weights). Returns `settle()` of the previous push."""
+        part in gathering the weights). Returns `settle()` of the previous push, with the times of the engines
+        that join at this push (`EnginePool.admit`)."""
         timings = self.settle()
         if self.engines.joining:
-            self.engines.admit()
+            timings.update(self.engines.admit())
         if self.engines.max_engines:
             self.engines.grow()
         engines = self.engines.alive()
