@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from dstack_runner import (
 
 TASK_PATH = REPO_ROOT / "tasks" / "ray-cluster.dstack.yml"
 BOOTSTRAP = REPO_ROOT / "tasks" / "ray-bootstrap.sh"
+CLOUDRL = str(Path(sys.executable).parent / "cloudrl")
 GPUS_PER_NODE = 8
 # What a user's shell holds when running `dstack apply` (the task names these secrets). No W&B key:
 # with one the bootstrap would install wandb, and the simulated nodes have no network.
@@ -401,32 +403,72 @@ def test_three_nodes_with_a_worker_started_20s_before_the_head(kind, task, tmp_p
 # --- a rollout node added to a running cluster (tasks/ray-rollout-spot.dstack.yml) ---------------------
 
 
-def test_a_rollout_node_of_another_run_joins_the_cluster_after_its_ready_line(kind, task, tmp_path):
-    """The rollout task is a run of its own: its one node is that run's rank 0 on another address, and
-    with CLOUDRL_JOIN_HEAD it joins the running cluster's head as a worker instead of starting a head."""
+def test_a_rollout_node_added_to_a_running_job_generates_and_its_loss_costs_no_restart(kind, task, tmp_path):
+    """The rollout task is a run of its own: its one node is that run's rank 0 on another address, and with
+    CLOUDRL_JOIN_HEAD it joins the running cluster's head as a worker instead of starting a head. A job
+    running there with rollout.elastic, on a head that holds exactly its roles (4 CPUs), gets an engine on the
+    new node (the model shipped to its disk from the driver's copy) that generates from the next weight push;
+    when the node goes (every process of it killed, as a reclaimed spot instance), the job goes on with the
+    head's engine, with no restart."""
+    from runs import tiny_overrides
+
     rollout_path = REPO_ROOT / "tasks" / "ray-rollout-spot.dstack.yml"
     rollout = load_task(rollout_path)
     check_shipped_files(rollout_path, rollout, REPO_ROOT)
     cluster = new_cluster(kind, 2, tmp_path)
+    run_dir = "/tmp/elastic-run" if kind == "netns" else str(tmp_path / "elastic-run")  # on the head's disk
+    overrides = tiny_overrides(
+        Path(run_dir), **{"trainer.total_steps": 100000, "rollout.elastic": "true", "rollout.max_engines": 2}
+    )
     try:
         cluster.create()
-        head = start_node(cluster, task, 0, num_nodes=1)
+        head = start_node(cluster, task, 0, num_nodes=1, CLOUDRL_NUM_CPUS="4")
         head.wait_for(READY, BRING_UP_TIMEOUT)
+        env = {**client_env(cluster), "RAY_ADDRESS": f"http://127.0.0.1:{dashboard_port(cluster)}"}
+        submitted = cluster.exec(0, [CLOUDRL, "submit", "--preset", "local", *overrides], 120, env=env)
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        job = re.search(r"^submitted (\S+) to ", submitted.stdout, re.M).group(1)
+        metrics = cluster.node_path(0, f"{run_dir}/metrics.jsonl")
+
+        def rows() -> list[dict]:
+            text = metrics.read_text() if metrics.exists() else ""
+            return [json.loads(line) for line in text.splitlines() if line.strip() and json.loads(line)["step"] > 0]
+
+        def until(what: str, ready, timeout_s: float = 240) -> None:
+            deadline = time.monotonic() + timeout_s
+            while not ready():
+                assert time.monotonic() < deadline, f"no {what} within {timeout_s} s: {rows()[-3:]}"
+                time.sleep(0.5)
+
+        until("step 2", lambda: len(rows()) >= 2)
         shell = {**LOCAL_ENV, "CLOUDRL_JOIN_HEAD": cluster.ips[0]}  # what the user exports before `dstack apply`
-        env = {**base_env(), **task_env(rollout, shell), **TEST_KNOBS, **dstack_env(0, [cluster.ips[1]], 1)}
-        node = cluster.start(1, node_argv(rollout, 0), env, files=shipped_files(rollout_path, rollout))
+        env_1 = {**base_env(), **task_env(rollout, shell), **TEST_KNOBS, **dstack_env(0, [cluster.ips[1]], 1)}
+        node = cluster.start(1, node_argv(rollout, 0), env_1, files=shipped_files(rollout_path, rollout))
         node.wait_for(
             rf"Ray head {cluster.ips[0]}:\d+ answers; joining as worker {cluster.ips[1]} \(added to the running cluster\)",
             BRING_UP_TIMEOUT,
         )
-        deadline = time.monotonic() + 60
-        while sorted(alive_nodes(cluster)) != sorted(cluster.ips):
-            assert time.monotonic() < deadline, node.output()[-3000:]
-            time.sleep(1)
+        until("the node in Ray's list", lambda: sorted(alive_nodes(cluster)) == sorted(cluster.ips), 60)
         assert "starting the Ray head" not in node.output() and node.proc.poll() is None
+        until("2 steps of the added engine", lambda: sum("rollout/engine_1_samples" in r for r in rows()) >= 2)
+        node.kill()
+        lost_after = len(rows())
+        until("2 steps after the loss", lambda: len(rows()) >= lost_after + 3)
+        logs = cluster.exec(0, [CLOUDRL, "logs", job], 60, env=env).stdout
+        steps = rows()
     finally:
         cluster.stop()
     assert cluster.leftover_pids() == []
+    assert re.search(rf"^rollout rank 1 on {re.escape(cluster.ips[1])} joined \(rollout.elastic", logs, re.M), logs[
+        -3000:
+    ]
+    assert re.search(rf"^rollout rank 1 on {re.escape(cluster.ips[1])} was lost \(", logs, re.M), logs[-3000:]
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))  # every step once
+    assert all(r["trainer/restarts"] == 0 and r["rollout/samples"] == 16 for r in steps)
+    added = [r for r in steps if "rollout/engine_1_samples" in r]
+    assert added and all(r["rollout/engines_alive"] == 2 and r["rollout/engine_1_samples"] > 0 for r in added)
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in added)  # it generates with the trainer's weights
+    assert {r["rollout/engines_alive"] for r in steps[lost_after + 1 :]} == {1}
 
 
 # --- the variants run the same bootstrap --------------------------------------------------------

@@ -29,6 +29,7 @@ mounts live only in the nodes' private mount namespaces, which vanish with their
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -156,6 +157,22 @@ class Node:
                     f"node {self.rank} did not print {pattern!r} within {timeout:.0f}s:\n{self.output()[-4000:]}"
                 )
             time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL the node's command and every process it started (its Ray daemons and workers): the node
+        gone at once, as a reclaimed spot instance goes."""
+        import psutil
+
+        try:
+            procs = [psutil.Process(self.proc.pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=10)
+        self.proc.wait(timeout=10)
 
     def wait_exit(self, timeout: float) -> int:
         try:
