@@ -409,13 +409,14 @@ def test_a_rollout_node_added_to_a_running_job_generates_and_its_loss_costs_no_r
     running there with rollout.elastic, on a head that holds exactly its roles (4 CPUs), gets an engine on the
     new node (the model shipped to its disk from the driver's copy) that generates from the next weight push;
     when the node goes (every process of it killed, as a reclaimed spot instance), the job goes on with the
-    head's engine, with no restart."""
+    head's engine, with no restart; when another rollout node joins, a new engine starts there in the lost
+    one's slot and generates from the next push."""
     from runs import tiny_overrides
 
     rollout_path = REPO_ROOT / "tasks" / "ray-rollout-spot.dstack.yml"
     rollout = load_task(rollout_path)
     check_shipped_files(rollout_path, rollout, REPO_ROOT)
-    cluster = new_cluster(kind, 2, tmp_path)
+    cluster = new_cluster(kind, 3, tmp_path)
     run_dir = "/tmp/elastic-run" if kind == "netns" else str(tmp_path / "elastic-run")  # on the head's disk
     overrides = tiny_overrides(
         Path(run_dir), **{"trainer.total_steps": 100000, "rollout.elastic": "true", "rollout.max_engines": 2}
@@ -442,18 +443,29 @@ def test_a_rollout_node_added_to_a_running_job_generates_and_its_loss_costs_no_r
 
         until("step 2", lambda: len(rows()) >= 2)
         shell = {**LOCAL_ENV, "CLOUDRL_JOIN_HEAD": cluster.ips[0]}  # what the user exports before `dstack apply`
-        env_1 = {**base_env(), **task_env(rollout, shell), **TEST_KNOBS, **dstack_env(0, [cluster.ips[1]], 1)}
-        node = cluster.start(1, node_argv(rollout, 0), env_1, files=shipped_files(rollout_path, rollout))
-        node.wait_for(
-            rf"Ray head {cluster.ips[0]}:\d+ answers; joining as worker {cluster.ips[1]} \(added to the running cluster\)",
-            BRING_UP_TIMEOUT,
-        )
-        until("the node in Ray's list", lambda: sorted(alive_nodes(cluster)) == sorted(cluster.ips), 60)
-        assert "starting the Ray head" not in node.output() and node.proc.poll() is None
+
+        def add_rollout_node(rank: int):
+            """`dstack apply` of the rollout task: a run of one node, on the cluster's address `rank`."""
+            env = {**base_env(), **task_env(rollout, shell), **TEST_KNOBS, **dstack_env(0, [cluster.ips[rank]], 1)}
+            node = cluster.start(rank, node_argv(rollout, 0), env, files=shipped_files(rollout_path, rollout))
+            node.wait_for(
+                rf"Ray head {cluster.ips[0]}:\d+ answers; joining as worker {cluster.ips[rank]} \(added to the "
+                rf"running cluster\)",
+                BRING_UP_TIMEOUT,
+            )
+            assert "starting the Ray head" not in node.output() and node.proc.poll() is None
+            return node
+
+        node = add_rollout_node(1)
+        until("the node in Ray's list", lambda: sorted(alive_nodes(cluster)) == sorted(cluster.ips[:2]), 60)
         until("2 steps of the added engine", lambda: sum("rollout/engine_1_samples" in r for r in rows()) >= 2)
         node.kill()
         lost_after = len(rows())
         until("2 steps after the loss", lambda: len(rows()) >= lost_after + 3)
+        add_rollout_node(2)
+        until("the new engine", lambda: any("rollout/engine_replace_s" in r for r in rows()))
+        back_at = len(rows())
+        until("2 steps of the new engine", lambda: len(rows()) >= back_at + 2)
         logs = cluster.exec(0, [CLOUDRL, "logs", job], 60, env=env).stdout
         steps = rows()
     finally:
@@ -468,7 +480,12 @@ def test_a_rollout_node_added_to_a_running_job_generates_and_its_loss_costs_no_r
     added = [r for r in steps if "rollout/engine_1_samples" in r]
     assert added and all(r["rollout/engines_alive"] == 2 and r["rollout/engine_1_samples"] > 0 for r in added)
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in added)  # it generates with the trainer's weights
-    assert {r["rollout/engines_alive"] for r in steps[lost_after + 1 :]} == {1}
+    assert {r["rollout/engines_alive"] for r in steps[lost_after + 1 : back_at - 1]} == {1}
+    back = rf"^rollout rank 1 on {re.escape(cluster.ips[2])} is back \d+ s after the loss: it generates"
+    assert re.search(back, logs, re.M), logs[-3000:]
+    after = steps[back_at:]
+    assert after and all(r["rollout/engines_alive"] == 2 and r["rollout/engine_1_samples"] > 0 for r in after)
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in after)
 
 
 # --- the variants run the same bootstrap --------------------------------------------------------
