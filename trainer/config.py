@@ -169,6 +169,14 @@ class RolloutConfig:
     while this step trains, so a sample is at most k weight versions old, and the lag is corrected with the
     importance weights above; 0: in turn. At most 4; a step that validates or checkpoints is not generated
     ahead of."""
+    partial: bool = False
+    """With policy_lag >= 1, partial rollouts: the engines generate in segments and take the weights pushed
+    meanwhile between two segments, so a batch in flight continues its unfinished samples from their prefixes
+    with the newer policy (rollout/partial.py); each token records its weight version. Single-turn generation
+    with the weights through Ray's object store; elsewhere the run says so at start and generates whole."""
+    partial_segment_tokens: int = 0
+    """With rollout.partial: the tokens generated between two looks for new weights; 0 = a quarter of
+    rollout.max_new_tokens."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per engine, e.g. {h100: 1} to pin engines to nodes started with them."""
     elastic: bool = False

@@ -195,6 +195,7 @@ RANGES: dict[str, Range] = {
     "rollout.policy_lag": Range(
         0, 4, hint="0 generates in turn with training, k keeps k batches in flight; samples k updates old weigh little"
     ),
+    "rollout.partial_segment_tokens": Range(0, hint="0 is a quarter of rollout.max_new_tokens"),
     "trainer.gap_check_max_k3": Range(0, low_open=True, hint="0 would refuse even identical log-probs"),
     "rollout.logprob_correction_cap": Range(
         1, hint="it caps importance weights; below 1 it would shrink even on-policy tokens"
@@ -304,6 +305,8 @@ def validate(cfg: Any) -> None:
         _check_rollout_in_actor(cfg)
     if r.policy_lag:
         _check_policy_lag(cfg)
+    if r.partial:
+        _check_partial(cfg)
     if r.elastic or r.max_engines:
         _check_elastic(cfg)
     if (
@@ -494,6 +497,24 @@ def _check_policy_lag(cfg: Any) -> None:
             f"{lag} starts batches {cfg.rollout.policy_lag} steps ahead, but algorithm.dynamic_sampling=true "
             "draws a step's extra prompts only once its scores are in: set rollout.policy_lag=1 (one batch "
             "ahead, started after the refill), or algorithm.dynamic_sampling=false"
+        )
+
+
+def _check_partial(cfg: Any) -> None:
+    """Partial rollouts take weights pushed while a batch generates: there must be batches in flight, and a
+    generation that can be cut into segments (one turn)."""
+    r = cfg.rollout
+    if not r.policy_lag:
+        raise ConfigError(
+            "rollout.partial=true takes new weights in the middle of batches generated ahead, but "
+            "rollout.policy_lag=0 generates each batch after the weights it needs: set rollout.policy_lag >= 1, "
+            "or rollout.partial=false"
+        )
+    if r.environment or cfg.search.enabled:
+        what = "rollout.environment" if r.environment else "search.enabled=true"
+        raise ConfigError(
+            f"rollout.partial=true cuts single-turn generations into segments, but {what} generates "
+            f"episodes of several turns: set rollout.partial=false"
         )
 
 

@@ -40,6 +40,7 @@ from .rollout.dynamic_sampling import Round, refill
 from .rollout.engines import SamplingSettings
 from .rollout.environment import FailureReport
 from .rollout.in_flight import SentStep, StepsInFlight
+from .rollout.partial import segment_tokens
 from .rollout.queue import RolloutQueue, Rollouts
 from .rollout.weight_sync import WeightPush
 from .state import checkpoint, timeline
@@ -122,6 +123,8 @@ class Trainer:
         if cfg.rollout.elastic:
             print(self.elastic_engines(), flush=True)
         print(self.push_weights.describe(cfg), flush=True)
+        if cfg.rollout.partial:
+            print(self.partial_rollouts(), flush=True)
         self.env_failures = FailureReport()
         """rollout.environment's failures: the first of each kind printed, a batch that all failed stops the run."""
         self.gap_checked = cfg.trainer.gap_check == "off" or cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0
@@ -139,6 +142,20 @@ class Trainer:
         return (
             f"rollout.elastic: up to {r.max_engines} engines; one more starts wherever the cluster has room for "
             f"one engine (a node that joins) and generates from the next weight push after it has started"
+        )
+
+    def partial_rollouts(self) -> str:
+        """rollout.partial: batches in flight take new weights between segments where the weights reach the
+        engines from the queue; the line that says so."""
+        if self.push_weights.mode != "object_store":
+            return (
+                f"rollout.partial: whole generations in this run: {self.push_weights.describe(self.cfg)}, which an "
+                f"engine cannot take in the middle of a batch; new weights are loaded between batches"
+            )
+        self.rollouts.take_weights_mid_batch()
+        return (
+            f"rollout.partial: batches generated ahead take the weights pushed meanwhile every "
+            f"{segment_tokens(self.cfg.rollout)} tokens and continue their unfinished samples with them"
         )
 
     # ------------------------------------------------------------------------------------------

@@ -39,10 +39,14 @@ def test_batches_more_than_one_step_ahead_refuse_dynamic_sampling():
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("lag", [1, 2])
-def test_lagging_run_learns(ray_local, tmp_path, lag):
+@pytest.mark.parametrize("lag, partial", [(1, False), (2, False), (2, True)], ids=["lag1", "lag2", "lag2-partial"])
+def test_lagging_run_learns(ray_local, tmp_path, lag, partial):
     """`lag` batches in flight: trained on samples `lag` policy versions old (importance-weighted), the
-    reward still rises as in the run that generates in turn (tests/loop/test_trainer.py)."""
+    reward still rises as in the run that generates in turn (tests/loop/test_trainer.py). With partial
+    rollouts (rollout.partial, one token a segment) every batch ahead is generated in segments that look for
+    new weights: it learns as well, and no token is more than `lag` versions old. On this task a batch is
+    generated before the update ends, so the pushes find it done (rollout/partial_samples 0); a push that lands
+    mid-batch is test_partial_rollouts.py's."""
     overrides = {
         **REWARD_RISES,
         "algorithm.name": "grpo",
@@ -53,6 +57,7 @@ def test_lagging_run_learns(ray_local, tmp_path, lag):
         # so the truncated weights discard most samples and the run stalls; at 5e-4 the gap stays ~0.02.
         "actor.lr": "5e-4",
         "trainer.run_dir": tmp_path,
+        "rollout.partial": str(partial).lower(),
     }
     train(load_config("local", [f"{k}={v}" for k, v in overrides.items()]))
     rows = _rows(tmp_path)
@@ -64,6 +69,8 @@ def test_lagging_run_learns(ray_local, tmp_path, lag):
     lagged = [rows[s] for s in sorted(rows)[1:]]
     assert all(r["rollout/is_weight_mean"] > 0 for r in lagged)
     assert any(abs(r["rollout/is_weight_mean"] - 1) > 1e-4 for r in lagged), "old samples, yet weights of 1"
+    assert all(r["rollout/staleness_max"] <= lag for r in rows.values())
+    assert all(("rollout/partial_samples" in r) == partial for r in lagged)
     # what overlapped: the engines' wait for weights, the actor's time between updates
     assert all(r["timing/engine_weight_wait"] >= 0 and r["timing/actor_between_updates"] >= 0 for r in lagged[1:])
 

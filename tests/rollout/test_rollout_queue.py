@@ -32,7 +32,7 @@ class Engine:
         time.sleep(self.delay)
         return [Completion([self.version, p[0]], [0.0, 0.0], "stop") for p in prompts for _ in range(settings.n)]
 
-    def load_weights(self, weights):
+    def load_weights(self, weights, version=None):
         self._maybe_die("load_weights")
         if self.fail_loads:
             raise ValueError("engine cannot take these weights")

@@ -177,6 +177,39 @@ def test_sleep_and_wake_are_no_ops_on_cpu(engine, policy, prompts):
     ]
 
 
+def test_partial_segments_continue_from_the_prefix_with_the_pushed_weights(engine, policy, prompts):
+    """rollout.partial (rollout/partial.py) on vLLM: a greedy generation in segments of 3 tokens with the same
+    weights is the whole generation; with new weights loaded after the first segment, each sample keeps its
+    first 3 tokens and goes on as the new policy continues that prefix."""
+    from cloudrl.trainer.rollout.partial import generate_in_segments
+
+    sync(engine, policy)
+    whole = engine.generate(prompts, GREEDY)
+    same = generate_in_segments(engine.generate, prompts, GREEDY, 3, 0, lambda: 0)
+    assert [c.token_ids for c in same] == [c.token_ids for c in whole]
+    assert all(c.versions == [0] * len(c.token_ids) for c in same)
+
+    fit(policy.model, policy.tokenizer, ["hello moon", "abcabc", "0000"], steps=20)
+    pushed = []
+
+    def newer() -> int:
+        if not pushed:
+            sync(engine, policy)
+            pushed.append(True)
+        return 1
+
+    cut = generate_in_segments(engine.generate, prompts, GREEDY, 3, 0, newer)
+    continued = [i for i, c in enumerate(cut) if len(c.token_ids) > 3]
+    assert continued
+    for i in continued:
+        c = cut[i]
+        assert c.token_ids[:3] == whole[i].token_ids[:3] and c.versions == [0] * 3 + [1] * (len(c.token_ids) - 3)
+        rest = SamplingSettings(n=1, max_new_tokens=GREEDY.max_new_tokens - 3, greedy=True)
+        (expected,) = policy.generate([prompts[i] + c.token_ids[:3]], rest)
+        assert c.token_ids[3:] == expected.token_ids
+    assert any(cut[i].token_ids != whole[i].token_ids for i in continued)  # the new weights made a difference
+
+
 def test_rollout_worker_actor_gets_weights_through_the_object_store(ray_local, model_dir, cfg, policy, prompts):
     import ray
     from cloudrl.trainer.roles.workers import RolloutWorker

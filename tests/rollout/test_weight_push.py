@@ -52,7 +52,7 @@ class SleepyEngine:
         self.calls.append("wake_kv_cache")
         self.kv_awake = True
 
-    def load_weights(self, weights):
+    def load_weights(self, weights, version=None):
         """The object-store path."""
         self.calls.append("load_weights")
         if not self.weights_awake:

@@ -486,6 +486,8 @@ class RolloutWorker(WorkerBase):
             model_path = on_this_node(model_path)
             self.model_path = model_path
             self.done_at: float | None = None  # when the last batch ended (load_weights reports the idle time)
+            self.version = 0
+            """The weight push this engine generates with (0: the weights it started with)."""
             if cfg.rollout.engine == "vllm":  # vLLM is imported only where an engine is built
                 from ..rollout.vllm_engine import VLLMEngine
 
@@ -501,7 +503,9 @@ class RolloutWorker(WorkerBase):
         except TrainerError as exc:
             self._failed_to_start(exc, rank)
 
-    def generate(self, prompts: list[list[int]], settings, samples: list[dict] | None = None) -> list:
+    def generate(self, prompts: list[list[int]], settings, samples: list[dict] | None = None, board=None) -> list:
+        """The batch's samples. `board`: rollout.partial's WeightBoard (rollout/partial.py): generate in
+        segments, taking weights pushed meanwhile between them."""
         from ..rollout.engines import Completions
 
         start = time.perf_counter()
@@ -510,6 +514,8 @@ class RolloutWorker(WorkerBase):
                 out = Completions(self.episode_loop().run(prompts, settings, samples))
             elif self.cfg.search.enabled:  # multi-turn, querying the retriever on this node (multiturn.py)
                 out = Completions(self.turn_loop().run(prompts, settings))
+            elif board is not None:
+                out = Completions(self.generate_in_segments(prompts, settings, board))
             else:
                 out = Completions(self.engine.generate(prompts, settings))
             out.seconds, out.gpus = time.perf_counter() - start, self.engine_gpus()  # generation_throughput
@@ -555,13 +561,61 @@ class RolloutWorker(WorkerBase):
             self._turn_loop = TurnLoop(self.engine.generate, tok, client.passages, TurnSettings.from_config(cfg.search))
         return self._turn_loop
 
-    def load_weights(self, named_tensors: list[tuple[str, object]]) -> dict[str, float]:
-        """Weights from `PolicyWorker.weights` (numpy arrays on the wire, see batch.to_wire). Returns
-        how long the engine sat idle since its last batch until they arrived, the load's time, and the
-        actor's gather time and the weights' bytes (engines.object_store_push)."""
+    def generate_in_segments(self, prompts: list[list[int]], settings, board) -> list:
+        """rollout.partial: the batch in segments, each continued with the newest weights on `board`."""
+        from ..rollout.partial import generate_in_segments, segment_tokens
+
+        tok = self.engine_tokenizer() if settings.stop else None
+
+        def stop_at(ids: list[int]) -> int | None:
+            def holds_stop(k: int) -> bool:
+                text = tok.decode(ids[:k], skip_special_tokens=True)
+                return any(s in text for s in settings.stop)
+
+            if not holds_stop(len(ids)):
+                return None
+            return next(k for k in range(1, len(ids) + 1) if holds_stop(k))
+
+        def newer() -> int:
+            return self.take_newer_weights(board)
+
+        segment = segment_tokens(self.cfg.rollout)
+        return generate_in_segments(
+            self.engine.generate, prompts, settings, segment, self.version, newer, stop_at if tok else None
+        )
+
+    def take_newer_weights(self, board) -> int:
+        """Load the weights `board` holds if they are newer than this engine's and already in the object store
+        (a push not yet gathered is not waited for); returns the version this engine now has."""
+        import ray
+
+        newer = ray.get(board.newer_than.remote(self.version), timeout=self.cfg.trainer.worker_timeout_s)
+        if newer is not None:
+            version, (ref,) = newer
+            if ray.wait([ref], timeout=0)[0]:
+                self.load_weights(ray.get(ref), version)
+        return self.version
+
+    def engine_tokenizer(self):
+        """The engine's tokenizer (the transformers engine's own, else loaded once)."""
+        tok = getattr(self.engine, "tokenizer", None)
+        if tok is None and getattr(self, "_tokenizer", None) is None:
+            from ..inputs.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_path, self.cfg.model.trust_remote_code)
+        return tok or self._tokenizer
+
+    def load_weights(self, named_tensors: list[tuple[str, object]], version: int | None = None) -> dict[str, float]:
+        """Weights from `PolicyWorker.weights` (numpy arrays on the wire, see batch.to_wire), push `version`
+        (None: the next). Returns how long the engine sat idle since its last batch until they arrived, the
+        load's time, and the actor's gather time and the weights' bytes (engines.object_store_push). A push
+        this engine took already, in the middle of a batch (rollout.partial), is not loaded again."""
         start = time.perf_counter()
         idle = start - self.done_at if self.done_at is not None else 0.0
         self.done_at = None
+        if version is not None and version <= self.version:
+            return {"idle_s": idle, "load_s": 0.0}
+        self.version = self.version + 1 if version is None else version
         self.engine.load_weights((name, from_wire(t)) for name, t in named_tensors)
         # the actor's side of the push (engines.PushedWeights), for engines.object_store_push
         pushed = {"gather_s": getattr(named_tensors, "gather_s", 0.0), "bytes": getattr(named_tensors, "nbytes", 0)}

@@ -63,6 +63,9 @@ class Completion:
     error: str | None = None
     """Multi-turn rollouts: the environment call that ended this episode by raising or returning the wrong
     type, as one line (`Class.method raised ValueError: ...`, environment.py); None: no such failure."""
+    versions: list[int] | None = None
+    """rollout.partial (partial.py): the weight version that generated each token. None: every token was
+    generated with the weights the engine had when its batch started."""
 
 
 class Completions(list):
@@ -85,6 +88,7 @@ class Completions(list):
             self.seconds,
             self.gpus,
             [c.error for c in self] if any(c.error for c in self) else None,  # None: no sample failed
+            [c.versions for c in self] if any(c.versions for c in self) else None,  # None: whole generations
         )
 
 
@@ -97,11 +101,14 @@ def _completions(
     seconds: float | None = None,
     gpus: float = 0.0,
     errors: list | None = None,
+    versions: list | None = None,
 ) -> Completions:
     extra = zip(loss_masks, turns) if loss_masks is not None else ((None, None) for _ in token_ids)
     errors = errors or [None] * len(token_ids)
+    versions = versions or [None] * len(token_ids)
     out = Completions(
-        Completion(t, lp, r, m, n, e) for t, lp, r, (m, n), e in zip(token_ids, logprobs, reasons, extra, errors)
+        Completion(t, lp, r, m, n, e, v)
+        for t, lp, r, (m, n), e, v in zip(token_ids, logprobs, reasons, extra, errors, versions)
     )
     out.seconds, out.gpus = seconds, gpus
     return out

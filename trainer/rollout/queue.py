@@ -70,6 +70,8 @@ class Rollouts:
     """Engines generating when the batch was taken (a lost one's replacement counts once it has weights)."""
     by_engine: dict[int, int] = field(default_factory=dict)
     """Samples each engine (its index in the pool: a replacement keeps the lost one's) generated for the batch."""
+    version: int = 0
+    """Weight pushes so far when it was taken: the version its update trains from."""
 
     def scores(self, reward_function: str = "", timeout_s: float = 0.0):
         """The rewards [N], in the completions' order: the reward workers' (waiting for each part at most
@@ -103,9 +105,26 @@ class Rollouts:
             "rollout/engines_alive": self.engines_alive,
             "rollout/requeued_prompts": self.requeued,
             **{f"rollout/engine_{e}_samples": count for e, count in sorted(self.by_engine.items())},
+            **staleness(self.completions, self.version, self.lag),
             **turn_metrics(self.completions),
             **self.generation,
         }
+
+
+def staleness(completions: list, version: int, lag: int) -> dict[str, float]:
+    """How many versions behind `version` the batch's tokens were generated: `rollout/staleness_max` and the
+    mean over tokens, `rollout/staleness_mean` (a whole generation's tokens are all `lag` behind; under
+    rollout.partial each token has its own version), and with rollout.partial `rollout/partial_samples`, the
+    share of samples continued with newer weights than they started with."""
+    behind = [[version - v for v in c.versions] if c.versions else [lag] * len(c.token_ids) for c in completions]
+    tokens = [b for sample in behind for b in sample]
+    out = {
+        "rollout/staleness_max": float(max(tokens, default=0)),
+        "rollout/staleness_mean": sum(tokens) / len(tokens) if tokens else 0.0,
+    }
+    if any(c.versions for c in completions):
+        out["rollout/partial_samples"] = sum(len(set(c.versions or ())) > 1 for c in completions) / len(completions)
+    return out
 
 
 def samples_by_engine(engine_ids: list[int], parts: list[list]) -> dict[int, int]:
@@ -147,6 +166,8 @@ class InFlight:
     """time.monotonic() when the calls were sent (the hang watch counts from then)."""
     requeued: int = 0
     """Prompts sent again to other engines after their engine was lost."""
+    partial: bool = False
+    """Generated in segments that take newer weights (rollout.partial)."""
 
 
 class RolloutQueue:
@@ -175,13 +196,25 @@ class RolloutQueue:
         """The batches in flight, oldest first, for consecutive steps."""
         self.loading: tuple[list, list[str], list[int]] = ([], [], [])
         """The last push's calls not yet collected by `settle`, their labels, and the engines of the first ones."""
+        self.board = None
+        """rollout.partial: the WeightBoard the engines look at between segments (`take_weights_mid_batch`)."""
 
-    def _send(self, engine: int, chunk: list[PromptRecord], settings, part: int) -> tuple:
-        """Engine `engine` generates `chunk`; returns its call, and the scoring call and scorer label (or None)."""
+    def take_weights_mid_batch(self) -> None:
+        """rollout.partial: from now on the batches started ahead (`start`) are generated in segments, and
+        each push is posted where the engines see it between two segments (rollout/partial.py)."""
+        from .partial import board
+
+        self.board = board()
+
+    def _send(self, engine: int, chunk: list[PromptRecord], settings, part: int, partial: bool = False) -> tuple:
+        """Engine `engine` generates `chunk` (in segments that take newer weights with `partial`); returns its
+        call, and the scoring call and scorer label (or None)."""
         handle = self.engines.actors[engine]
         ids = [p.prompt_ids for p in chunk]
         if self.samples:
             ref = handle.generate.remote(ids, settings, [sample_row(p) for p in chunk])
+        elif partial:
+            ref = handle.generate.remote(ids, settings, None, self.board)
         else:
             ref = handle.generate.remote(ids, settings)
         if not self.scorers:
@@ -190,11 +223,11 @@ class RolloutQueue:
         records = [p for p in chunk for _ in range(settings.n)]
         return ref, self.scorers[scorer].score.remote(ref, records), self.scorer_labels[scorer]
 
-    def _launch(self, step: int, prompts: list[PromptRecord], settings) -> InFlight:
+    def _launch(self, step: int, prompts: list[PromptRecord], settings, partial: bool = False) -> InFlight:
         sent = time.monotonic()
         engines = self.engines.alive()
         placed = [(e, c) for e, c in zip(engines, split_evenly(prompts, len(engines))) if c]
-        calls = [self._send(e, chunk, settings, j) for j, (e, chunk) in enumerate(placed)]
+        calls = [self._send(e, chunk, settings, j, partial) for j, (e, chunk) in enumerate(placed)]
         score_refs = [c[1] for c in calls] if self.scorers else None
         records = [p for p in prompts for _ in range(settings.n)]
         prompt_ids = [p.prompt_ids for p in prompts]
@@ -210,6 +243,7 @@ class RolloutQueue:
             records,
             [c[2] for c in calls] if self.scorers else [],
             sent,
+            partial=partial,
         )
 
     def _wait(self, phase: str, batch: InFlight, what: str) -> list:
@@ -239,7 +273,7 @@ class RolloutQueue:
         for j in sorted(lost, reverse=True):
             chunk = batch.parts[j]
             placed = [(e, c) for e, c in zip(engines, split_evenly(chunk, len(engines))) if c]
-            calls = [self._send(e, c, batch.settings, j + k) for k, (e, c) in enumerate(placed)]
+            calls = [self._send(e, c, batch.settings, j + k, batch.partial) for k, (e, c) in enumerate(placed)]
             batch.parts[j : j + 1] = [c for _, c in placed]
             batch.engine_ids[j : j + 1] = [e for e, _ in placed]
             batch.refs[j : j + 1] = [c[0] for c in calls]
@@ -278,7 +312,7 @@ class RolloutQueue:
         """Start generating `step`'s batch now, after the weights pushed last (and after the batches in
         flight, which must be the steps just before it)."""
         assert not self.pending or self.pending[-1].step == step - 1, "batches in flight are for consecutive steps"
-        self.pending.append(self._launch(step, prompts, settings))
+        self.pending.append(self._launch(step, prompts, settings, partial=self.board is not None))
 
     def started_through(self, step: int) -> int:
         """The last step whose batch is in flight; `step` (the step being run, whose batch `take` starts
@@ -313,6 +347,7 @@ class RolloutQueue:
             batch.requeued,
             len(self.engines.alive()),
             samples_by_engine(batch.engine_ids, parts),
+            self.version,
         )
 
     def push(self, weights, others: list = (), other_labels: list[str] = ()) -> dict[str, float]:
@@ -326,7 +361,9 @@ class RolloutQueue:
         if self.engines.max_engines:
             self.engines.grow()
         engines = self.engines.alive()
-        refs = [self.engines.actors[e].load_weights.remote(weights) for e in engines]
+        if self.board is not None:  # batches in flight take them between two segments
+            self.board.post.remote(self.version + 1, [weights])
+        refs = [self.engines.actors[e].load_weights.remote(weights, self.version + 1) for e in engines]
         labels = [self.engines.labels[e] for e in engines]
         self.loading = (refs + list(others), [*labels, *other_labels], engines)
         self.version += 1
