@@ -9,9 +9,9 @@ the new weights. Each token records the weight version that generated it, and it
 those weights (the importance correction, `rollout.logprob_correction_mode`, works per token). A sample
 finished in a segment (end-of-sequence or a stop string) is not continued.
 
-    board = WeightBoard.remote()                       # the queue's, one per run
-    board.post.remote(3, [weights_ref])                # at push 3, before the engines' ordered load
-    completions = generate_in_segments(engine.generate, prompts, settings, 16, version, newer)
+    weights_board = board()                            # the queue's, one per run (a Ray actor)
+    weights_board.post.remote(3, [weights_ref])        # at push 3, before the engines' ordered load
+    completions = generate_in_segments(engine.generate, prompts, settings, 16, version, newer)  # on an engine
 
 The engines' ordered `load_weights` of a push that an engine already took mid-generation is skipped.
 """
