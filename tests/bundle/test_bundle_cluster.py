@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -419,14 +420,25 @@ def test_a_rollout_node_added_to_a_running_job_generates_and_its_loss_costs_no_r
     cluster = new_cluster(kind, 3, tmp_path)
     run_dir = "/tmp/elastic-run" if kind == "netns" else str(tmp_path / "elastic-run")  # on the head's disk
     overrides = tiny_overrides(
-        Path(run_dir), **{"trainer.total_steps": 100000, "rollout.elastic": "true", "rollout.max_engines": 2}
+        Path(run_dir),
+        **{
+            "trainer.total_steps": 100000,
+            "rollout.elastic": "true",
+            "rollout.max_engines": 2,
+            # steps that wait idle on the reward instead of spinning while the nodes come and go
+            "reward.function": "paced_reward.py:paced",
+        },
     )
+    job_dir = tmp_path / "job"  # on the user's machine: the reward file ships with the job
+    job_dir.mkdir()
+    shutil.copyfile(REPO_ROOT / "tests" / "helpers" / "paced_reward.py", job_dir / "paced_reward.py")
     try:
         cluster.create()
         head = start_node(cluster, task, 0, num_nodes=1, CLOUDRL_NUM_CPUS="4")
         head.wait_for(READY, BRING_UP_TIMEOUT)
         env = {**client_env(cluster), "RAY_ADDRESS": f"http://127.0.0.1:{dashboard_port(cluster)}"}
-        submitted = cluster.exec(0, [CLOUDRL, "submit", "--preset", "local", *overrides], 120, env=env)
+        submit = ["sh", "-c", 'cd "$0" && exec "$@"', str(job_dir), CLOUDRL, "submit", "--preset", "local"]
+        submitted = cluster.exec(0, [*submit, *overrides], 120, env=env)
         assert submitted.returncode == 0, submitted.stdout + submitted.stderr
         job = re.search(r"^submitted (\S+) to ", submitted.stdout, re.M).group(1)
         metrics = cluster.node_path(0, f"{run_dir}/metrics.jsonl")
