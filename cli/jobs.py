@@ -255,8 +255,8 @@ async def _stream(client: ClusterClient, job_id: str, write: Callable[[str], Any
             done, _ = await asyncio.wait({tail}, timeout=STATUS_POLL_S)
             if done:
                 exc = tail.exception()
-                if exc is not None:
-                    await asyncio.to_thread(_settle, client, job_id)  # a cluster going away says so
+                # a cluster going away says so (ClusterUnreachable); a job that ended has nothing more to show
+                if exc is not None and not await asyncio.to_thread(_settle, client, job_id):
                     raise CloudrlError(
                         f"the log stream of {job_id} from {client.address.url} broke "
                         f"({_short(exc)}); the job may still run: "
@@ -276,15 +276,20 @@ async def _stream(client: ClusterClient, job_id: str, write: Callable[[str], Any
                 await tail
             except (asyncio.CancelledError, Exception):
                 pass
+        elif not tail.cancelled():
+            tail.exception()  # a stream that broke after the job's end is seen here, not printed at exit
 
 
-def _settle(client: ClusterClient, job_id: str) -> None:
-    """After the log stream broke: raise ClusterUnreachable if the cluster stops answering within
-    END_GRACE_S (a cluster going down closes the stream a moment before its dashboard stops)."""
+def _settle(client: ClusterClient, job_id: str) -> bool:
+    """After the log stream broke: whether the job has ended (within END_GRACE_S); raises ClusterUnreachable if
+    the cluster stops answering meanwhile (a cluster going down closes the stream a moment before its dashboard
+    stops)."""
     deadline = time.monotonic() + END_GRACE_S
-    while time.monotonic() < deadline:
+    while True:
         if job_info(client, job_id).status.is_terminal():
-            return
+            return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(1.0)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 import zipfile
 from importlib.metadata import version
 from pathlib import Path
@@ -250,6 +251,45 @@ class FakeClient:
     def get(self, path, read_timeout=None):
         name = re.search(r"filename=([^&]+)", path)[1]
         return SimpleNamespace(status_code=200, text=self.files[name])
+
+
+class BrokenStreamJobs(FakeJobs):
+    """A log stream that closes abnormally (Ray's `RuntimeError: WebSocket connection closed unexpectedly with
+    close code 1006`) `after_s` into the job, which has ended; `get_job_info` takes `info_s`."""
+
+    def __init__(self, infos, logs, after_s: float, info_s: float = 0.0):
+        super().__init__(infos, logs)
+        self.after_s, self.info_s = after_s, info_s
+
+    def get_job_info(self, job_id):
+        time.sleep(self.info_s)
+        return super().get_job_info(job_id)
+
+    async def tail_job_logs(self, job_id):
+        import asyncio
+
+        yield self.logs[job_id]
+        await asyncio.sleep(self.after_s)
+        raise RuntimeError("WebSocket connection closed unexpectedly with close code 1006")
+
+
+@pytest.mark.parametrize("after_s, info_s", [(0.0, 0.0), (0.1, 0.3)], ids=["while-waiting", "at-the-last-check"])
+def test_a_log_stream_that_breaks_after_the_job_ended_is_no_error(monkeypatch, capsys, caplog, after_s, info_s):
+    """The job succeeded; its log stream then closed abnormally, either while the follower waited on it (once an
+    error "the log stream ... broke") or while it asked for the job's status one last time (once an unretrieved
+    task exception, printed with its traceback after the job's SUCCEEDED line)."""
+    import gc
+
+    monkeypatch.setattr(jobs, "STATUS_POLL_S", 0.05)
+    monkeypatch.setattr(jobs, "END_GRACE_S", 0.0)
+    client = FakeClient([job("j1", 1, "SUCCEEDED")], {"j1": "step 1/1 | x\n"})
+    client.jobs = BrokenStreamJobs(client.jobs.infos.values(), client.jobs.logs, after_s, info_s)
+    with caplog.at_level("ERROR", logger="asyncio"):
+        info = jobs.follow(client, "j1")
+        gc.collect()
+    assert info.status == "SUCCEEDED"
+    assert capsys.readouterr().out == "step 1/1 | x\n"
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.text
 
 
 def test_a_failed_job_says_how_to_get_the_jobs_traceback(capsys):
