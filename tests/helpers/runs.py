@@ -91,12 +91,14 @@ def cpu_controller() -> Path | None:
 
 
 @contextlib.contextmanager
-def cpu_limited(node: dict, percent: int):
-    """Every process of `node` (from start_worker_node) held to `percent`% of one CPU by a cgroup of its own,
-    as a throttled GPU or a busy host makes a node slow; the workers its raylet starts later inherit it. On
-    exit the processes left go back to the root cgroup and the cgroup is removed."""
+def cpu_limited(node: dict, percent: int, title: str = ""):
+    """The processes of `node` (from start_worker_node) whose name starts with `title` (Ray names a worker
+    `ray::<its actor class>`; "" = every one, and the workers its raylet starts later inherit it) held to
+    `percent`% of one CPU by a cgroup of its own, as a throttled GPU or a busy host makes a node slow. On exit
+    the processes left go back to the root cgroup and the cgroup is removed."""
     import secrets
 
+    import psutil
     from cloudrl.cli.node_processes import node_processes
 
     root = cpu_controller()
@@ -111,8 +113,9 @@ def cpu_limited(node: dict, percent: int):
         else:
             (group / "cpu.max").write_text(f"{period * percent // 100} {period}")
         for proc in node_processes(node):
-            with contextlib.suppress(OSError):  # a process that has just ended
-                (group / "cgroup.procs").write_text(str(proc.pid))
+            with contextlib.suppress(OSError, psutil.Error):  # a process that has just ended
+                if proc.name().startswith(title):
+                    (group / "cgroup.procs").write_text(str(proc.pid))
         yield group
     finally:
         for pid in (group / "cgroup.procs").read_text().split():
