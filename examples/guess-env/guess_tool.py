@@ -1,27 +1,34 @@
-"""Guess my digit with a tool: the model asks `check(digit)` as often as it likes (each call answered "higher",
-"lower" or "right"), then answers with the digit (a turn without a call). Reward 1 for a right answer, 0.1 less
-per call after the first. The tool needs the episode's digit, so the tools are built in `reset`: a class-level
+"""Guess my digit, played with a tool: each guess is a call to `guess(digit)`, answered "higher", "lower" or
+"right". A right guess ends the episode with reward 1; a turn without a call gives up (reward 0); at most
+rollout.max_turns calls. The tool needs the episode's digit, so the tools are built in `reset`: a class-level
 `tools` is shared by every episode, one built in `reset` belongs to its episode."""
 
+from cloudrl.trainer.rollout.environment import StepResult
 from cloudrl.trainer.rollout.tool_calls import ToolEnvironment, tool_schema
 
-CHECK = tool_schema("check", "Compares a digit with mine.", {"digit": {"type": "integer"}})
+GUESS = tool_schema("guess", "Guesses my digit: higher, lower or right.", {"digit": {"type": "integer"}})
 
 
 class GuessWithTool(ToolEnvironment):
     def reset(self, sample: dict) -> str:
         self.target = int(sample["ground_truth"])
-        self.calls = 0
-        self.tools = {"check": (CHECK, self.check)}  # this episode's tool, bound to its digit
+        self.calls, self.found = 0, False
+        self.tools = {"guess": (GUESS, self.guess)}  # this episode's tool, bound to its digit
         return super().reset(sample)
 
-    def check(self, digit: int) -> str:
+    def guess(self, digit: int) -> str:
         self.calls += 1
         digit = int(digit)  # a call with "7" counts as 7; "seven" is answered with the ValueError
         if digit == self.target:
+            self.found = True
             return "right"
         return "higher" if digit < self.target else "lower"
 
-    def score(self, sample: dict, answer: str) -> float:  # the turn without a call ends the episode
-        right = answer.strip().rstrip(".") == str(self.target)
-        return float(right) - 0.1 * max(self.calls - 1, 0)
+    def step(self, action_text: str) -> StepResult:
+        result = super().step(action_text)
+        if self.found:  # the tool ends the episode: reward 1, no observation after it
+            return StepResult(reward=1.0, done=True, info=result.info)
+        return result
+
+    def score(self, sample: dict, answer: str) -> float:  # a turn without a call: the model gave up
+        return 0.0
