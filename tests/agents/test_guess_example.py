@@ -163,7 +163,7 @@ def test_the_environment_loads_from_the_presets_folder(monkeypatch):
 @pytest.mark.ray
 def test_the_warmed_up_model_learns_to_use_the_answers(ray_local, tmp_path, monkeypatch):
     """The example as docs/agents.md runs it, from its folder: warm_up.py, then the trainer on guess.yaml, for
-    the first 150 of its 200 steps. The warmed-up model ignores the answers (greedy val reward 0.1: one digit in
+    the first 125 of its 200 steps. The warmed-up model ignores the answers (greedy val reward 0.1: one digit in
     ten); by then it uses them: the greedy val reward and the rollout reward rise."""
     from cloudrl.trainer.driver import train
 
@@ -178,13 +178,13 @@ def test_the_warmed_up_model_learns_to_use_the_answers(ray_local, tmp_path, monk
         "trainer.loggers": "[jsonl]",
         "trainer.export_hf": "false",
         "trainer.sample_every": 0,
-        "trainer.total_steps": 150,  # measured with the preset's 200: val 0.1 -> 0.4 at step 125, 0.5 at 150
+        "trainer.total_steps": 125,  # measured with the preset's 200: val 0.1 -> 0.4 at step 125, 0.5 at 150
     }
     train(load_config(str(EXAMPLE / "guess.yaml"), [f"{k}={v}" for k, v in overrides.items()]))
     val = [r["val/reward_mean"] for r in metric_rows(tmp_path / "run") if "val/reward_mean" in r]
     first, last = first_and_last_means([r["rollout/reward_mean"] for r in step_metrics(tmp_path / "run")], 10)
-    assert val[0] <= 0.15 and max(val[-2:]) >= 0.4, val
-    assert last > first + 0.1, (round(first, 3), round(last, 3))
+    assert val[0] <= 0.15 and val[-1] >= 0.35, val  # 1 digit in 10, then 4: 0.1 -> 0.4 measured
+    assert last > first + 0.05, (round(first, 3), round(last, 3))  # 0.29 -> 0.39 measured
 
 
 @pytest.mark.ray
