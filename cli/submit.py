@@ -128,7 +128,7 @@ def build_request(
 
 def check_code(cfg: Any, upload: Upload, cwd: Path) -> str | None:
     """The trainer's check of the code the config names (`reward.function`, `rollout.environment`:
-    cloudrl.trainer.job.check_user_code), run here as the job will run it: on the upload's files laid out
+    cloudrl.trainer.inputs.checks.check_user_code), run here as the job will run it: on the upload's files laid out
     as the job's working directory (links to the files here), with the config's paths as the upload
     rewrites them, that directory the current one and first on sys.path. Its one line names the files
     as the config here does. A module this machine lacks is left to the cluster (it may be installed
@@ -136,7 +136,7 @@ def check_code(cfg: Any, upload: Upload, cwd: Path) -> str | None:
     import copy
 
     from cloudrl.trainer.errors import TrainerError
-    from cloudrl.trainer.job import check_user_code
+    from cloudrl.trainer.inputs.checks import check_user_code
 
     job_cfg = copy.deepcopy(cfg)
     for key, value in upload.rewrites.items():

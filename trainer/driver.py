@@ -34,6 +34,7 @@ from .config import Config
 from .errors import EngineMismatch
 from .hangs import WATCH
 from .inputs.data import PromptLoader, PromptRecord
+from .job import run_job
 from .metrics import MetricsLogger, format_eval_table, format_summary, print_sample
 from .recovery import leave_preempted_node, preemption_notice
 from .rollout.dynamic_sampling import Round, refill
@@ -53,8 +54,6 @@ if TYPE_CHECKING:
 def train(cfg: Config) -> dict:
     """Run the whole training job (job.py: cluster, inputs, roles, restarts) and return its summary
     (with trainer.eval_only, the evaluation's result)."""
-    from .job import run_job
-
     return run_job(cfg, Trainer)
 
 

@@ -4,7 +4,7 @@ start the roles, run the loop, and always shut the roles down.
     summary = run_job(cfg, Trainer)   # driver.train(cfg) does this
 
 First the checks that need no cluster and load nothing big, so a typo fails in well under a second,
-before any Ray process exists: `check_inputs` (the reward function and the environment, their files
+before any Ray process exists: `check_inputs` (inputs/checks.py: the reward function and the environment, their files
 imported; the model directories or a hub that answers; the prompt files and their prompt column; a
 run_dir that is not empty and takes checkpoints), then the resume point (inputs/prepare.py's
 `decide_resume`: another run's files in run_dir, the checkpoint to continue checked against its
@@ -23,29 +23,23 @@ import sys
 
 from .config import Config
 from .config_checks import start_warnings
-from .inputs.data import check_prompt_files
-from .inputs.rewards import resolve_reward_fn
+from .hangs import WATCH
+from .inputs.checks import check_inputs
+from .inputs.models import builtin_model_line
+from .inputs.prepare import decide_resume, prepare
+from .recovery import StopRequest, run_with_restarts, stop_grace_s
 from .roles.cluster import connect, preflight
+from .roles.launch import launch_roles
+from .roles.placement import plan
+from .rollout.vllm_engine import check_vllm_available
+from .state.run_dir import record_start
+from .state.storage import downloads_checkpoint, fetch_checkpoint
 from .waiting import worker_errors
-
-# torch comes with inputs.models, inputs.prepare, recovery and state.*: imported where used, so that
-# `cloudrl submit` imports `check_user_code` without it.
 
 
 def run_job(cfg: Config, trainer_class) -> dict:
     """Run the whole training job with `trainer_class` (driver.Trainer) and return its summary."""
-    from .hangs import WATCH
-    from .inputs.models import builtin_model_line
-    from .inputs.prepare import decide_resume, prepare
-    from .recovery import StopRequest, run_with_restarts, stop_grace_s
-    from .roles.launch import launch_roles
-    from .roles.placement import plan
-    from .state.run_dir import record_start
-    from .state.storage import fetch_checkpoint
-
     if cfg.rollout.engine == "vllm":  # needs no cluster: fails before one starts
-        from .rollout.vllm_engine import check_vllm_available
-
         check_vllm_available()
     requests = plan(cfg)  # what each role asks of the cluster, decided here once
     for warning in start_warnings(cfg):  # e.g. float32 on GPUs: one line each, the run goes on
@@ -80,47 +74,3 @@ def run_job(cfg: Config, trainer_class) -> dict:
             import ray
 
             ray.shutdown()
-
-
-def check_inputs(cfg: Config) -> None:
-    """The input checks that need no cluster and load nothing big, each one line naming the key and the
-    fix: the reward function and the environment (`check_user_code`), every model setting (a directory
-    that exists, or a hub id the hub can serve), every prompt file and local dataset (and the hub for hub
-    datasets; a file's prompt column), and a training run's run_dir (placed under $CLOUDRL_RUNS_DIR when
-    relative; not empty, and checkpoints can be written there: nothing is created)."""
-    from .inputs.models import check_model_path
-    from .state.checkpoint import signing_key
-    from .state.run_dir import check_run_dir, under_runs_dir
-
-    check_user_code(cfg)
-    check_model_path("model.path", cfg.model.path)
-    for key, path in (("critic.model_path", cfg.critic.model_path), ("reward.model_path", cfg.reward.model_path)):
-        if path:
-            check_model_path(key, path)
-    if not cfg.trainer.eval_only:  # scoring a model reads no training prompts
-        check_prompt_files(cfg.data.train_files, "data.train_files", cfg.data)
-    check_prompt_files(cfg.data.val_files, "data.val_files", cfg.data)
-    for name, files in cfg.data.val_sets.items():
-        check_prompt_files(files, f"data.val_sets.{name}", cfg.data)
-    cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
-    if not cfg.trainer.eval_only:  # scoring a model writes only run_dir/eval.json
-        check_run_dir(cfg.trainer.run_dir)
-    signing_key(cfg.trainer.checkpoint_key_env)  # set and long enough, when named
-
-
-def check_user_code(cfg: Config) -> None:
-    """The user's code the config names, imported as the job imports it: `reward.function` and
-    `rollout.environment` (`cloudrl submit` runs this too, on the files it ships)."""
-    resolve_reward_fn(cfg.reward.function)
-    if cfg.rollout.environment:
-        from .rollout.environment import load_environment
-
-        load_environment(cfg.rollout.environment)
-
-
-def downloads_checkpoint(cfg: Config) -> bool:
-    """The job downloads the checkpoint it resumes once it has joined the cluster (storage.fetch_checkpoint):
-    trainer.resume is a URL, or trainer.resume=auto with trainer.checkpoint_uri; its resume point is then
-    decided after that download."""
-    resume = cfg.trainer.resume
-    return "://" in resume or (bool(cfg.trainer.checkpoint_uri) and resume == "auto")

@@ -23,8 +23,9 @@ from cloudrl.trainer.agents.calculator import (
 )
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.inputs.demo import build_char_tokenizer
+from cloudrl.trainer.inputs.user_files import load_environment
 from cloudrl.trainer.rollout.engines import Completion, SamplingSettings
-from cloudrl.trainer.rollout.environment import ENV_REWARD, EpisodeLimits, EpisodeLoop, load_environment
+from cloudrl.trainer.rollout.environment import ENV_REWARD, EpisodeLimits, EpisodeLoop
 from runs import step_metrics
 
 

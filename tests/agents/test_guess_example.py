@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.inputs.demo import build_char_tokenizer
+from cloudrl.trainer.inputs.user_files import load_environment
 from cloudrl.trainer.rollout.engines import Completion, SamplingSettings
-from cloudrl.trainer.rollout.environment import ENV_REWARD, EpisodeLimits, EpisodeLoop, load_environment
+from cloudrl.trainer.rollout.environment import ENV_REWARD, EpisodeLimits, EpisodeLoop
 from runs import first_and_last_means, metric_rows, step_metrics
 
 REPO = Path(__file__).resolve().parents[2]

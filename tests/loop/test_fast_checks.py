@@ -14,15 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from cloudrl.trainer import job, recovery  # noqa: F401  (recovery and below: see the next comment)
+from cloudrl.trainer import job  # imports what run_job uses, torch among it: no test below times an import
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.errors import TrainerError
-from cloudrl.trainer.inputs import hub_data, models, prepare  # noqa: F401
-from cloudrl.trainer.roles import launch, placement  # noqa: F401
-from cloudrl.trainer.state import storage  # noqa: F401
-
-# run_job imports recovery, models, prepare, launch, placement and storage (torch among them) where it
-# uses them: they are imported above so that no test below times their import.
+from cloudrl.trainer.inputs import hub_data
+from cloudrl.trainer.inputs.checks import check_inputs
+from cloudrl.trainer.state.storage import downloads_checkpoint
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 
@@ -190,7 +187,7 @@ def test_a_dataset_without_the_prompt_column_fails_before_any_cluster(suffix, no
     fine = load_config(
         "local", [f"trainer.run_dir={tmp_path / 'run'}", f"data.train_files={data}", "data.prompt_key=question"]
     )
-    job.check_inputs(fine)
+    check_inputs(fine)
 
 
 def test_a_first_row_the_check_cannot_read_is_left_to_the_loader(tmp_path):
@@ -244,10 +241,10 @@ def test_a_checkpoint_from_a_bucket_is_decided_after_its_download():
     """trainer.checkpoint_uri with resume=auto (or a resume URL): the checkpoint arrives once the cluster
     is known to fit, so the resume point is decided then (storage.fetch_checkpoint)."""
     uri = ["trainer.checkpoint_uri=s3://bucket/run"]
-    assert job.downloads_checkpoint(load_config("local", uri))
-    assert job.downloads_checkpoint(load_config("local", ["trainer.resume=s3://bucket/run/step_000002"]))
-    assert not job.downloads_checkpoint(load_config("local", [*uri, "trainer.resume=never"]))
-    assert not job.downloads_checkpoint(load_config("local"))
+    assert downloads_checkpoint(load_config("local", uri))
+    assert downloads_checkpoint(load_config("local", ["trainer.resume=s3://bucket/run/step_000002"]))
+    assert not downloads_checkpoint(load_config("local", [*uri, "trainer.resume=never"]))
+    assert not downloads_checkpoint(load_config("local"))
 
 
 def _trainer_without_ray(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -14,6 +14,7 @@ from cloudrl.trainer.config import ConfigError, load_config
 from cloudrl.trainer.driver import Trainer
 from cloudrl.trainer.errors import DataError, EnvironmentFailed, TrainerError, WorkerTimeout
 from cloudrl.trainer.inputs.demo import build_char_tokenizer, build_tiny_model
+from cloudrl.trainer.inputs.user_files import load_environment
 from cloudrl.trainer.metrics import MetricsLogger
 from cloudrl.trainer.rollout.engines import Completion, Completions, HFEngine, SamplingSettings
 from cloudrl.trainer.rollout.environment import (
@@ -24,7 +25,6 @@ from cloudrl.trainer.rollout.environment import (
     StepResult,
     environment_rewards,
     episode_metrics,
-    load_environment,
 )
 from cloudrl.trainer.rollout.tool_calls import (
     ToolEnvironment,

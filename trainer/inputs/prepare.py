@@ -4,7 +4,7 @@ the prompts, the reward function.
     start = decide_resume(cfg)     # no cluster, no model: run_dir and the checkpoint to continue, checked
     inputs = prepare(cfg, start)   # then launch the roles and Trainer(cfg, roles, inputs).fit() (job.py)
 
-`decide_resume` is the last of the checks the job runs before it joins Ray (job.check_inputs has the
+`decide_resume` is the last of the checks the job runs before it joins Ray (checks.py has the
 others): the checkpoint trainer.resume picks is read as data and checked against its manifest, the run
 that saved it and the algorithm. `prepare` then loads the tokenizer (and checks the checkpoint's
 parameter shapes against the model), the prompts and the reward. With trainer.eval_only, what scoring a

@@ -537,7 +537,8 @@ class RolloutWorker(WorkerBase):
         """The episode loop over `rollout.environment`'s class, made once (the file is loaded once)."""
         if getattr(self, "_episode_loop", None) is None:
             from ..inputs.models import load_tokenizer
-            from ..rollout.environment import EpisodeLimits, EpisodeLoop, load_environment
+            from ..inputs.user_files import load_environment
+            from ..rollout.environment import EpisodeLimits, EpisodeLoop
 
             cfg = self.cfg
             env_class = load_environment(cfg.rollout.environment)

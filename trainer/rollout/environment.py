@@ -45,9 +45,6 @@ and `env_reward`, the summed rewards, where any step returned one).
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import importlib
-import importlib.util
 import numbers
 import os
 import threading
@@ -57,8 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..errors import DataError, EnvironmentFailed, TrainerError, first_line
-from ..inputs.user_files import load_user_file
+from ..errors import EnvironmentFailed, TrainerError, first_line
 from .engines import Completion, SamplingSettings
 
 ENV_REWARD = "env_reward"
@@ -101,40 +97,8 @@ class EpisodeLimits:
 
 
 # ----------------------------------------------------------------------------------------------
-# Loading `rollout.environment`
+# Calls into the environment: their failures and deadlines
 # ----------------------------------------------------------------------------------------------
-
-
-def load_environment(spec: str, key: str = "rollout.environment") -> type:
-    """`path/to/env.py:Class` or `module:Class` -> the class, or a DataError of one line naming the fix."""
-    spec = spec.strip()
-    location, _, name = spec.rpartition(":")
-    if not location or not name.isidentifier():
-        raise DataError(
-            f"{key}={spec!r} is not FILE.py:CLASS or MODULE:CLASS: write it like envs/my_env.py:MyEnv or my_envs:MyEnv"
-        )
-    if location.endswith(".py") or "/" in location or "\\" in location:
-        module = load_user_file(location, "environment", key, spec)  # as reward files are loaded
-    else:
-        try:
-            module = importlib.import_module(location)
-        except Exception as exc:
-            raise DataError(
-                f"importing environment module {location!r} failed ({type(exc).__name__}: {exc}): install it, "
-                f"add its folder to PYTHONPATH or give a file path ({key}=path/to/env.py:{name})"
-            ) from None
-    cls = getattr(module, name, None)
-    if not isinstance(cls, type):
-        defined = sorted(k for k, v in vars(module).items() if isinstance(v, type) and not k.startswith("_"))
-        close = difflib.get_close_matches(name, defined, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise DataError(
-            f"{location} has no class {name!r}{hint}: it defines {', '.join(defined) or 'no classes'}; fix {key}={spec!r}"
-        )
-    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
-    if missing:
-        raise DataError(f"{location}:{name} has no {' or '.join(missing)} method: an environment defines both ({key})")
-    return cls
 
 
 class _Failed(Exception):

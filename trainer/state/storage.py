@@ -151,6 +151,14 @@ def _move(fs, source: str, dest: str) -> None:
     fs.rm(source, recursive=True)
 
 
+def downloads_checkpoint(cfg) -> bool:
+    """The job downloads the checkpoint it resumes once it has joined the cluster (`fetch_checkpoint`):
+    trainer.resume is a URL, or trainer.resume=auto with trainer.checkpoint_uri; its resume point is then
+    decided after that download."""
+    resume = cfg.trainer.resume
+    return "://" in resume or (bool(cfg.trainer.checkpoint_uri) and resume == "auto")
+
+
 def fetch_checkpoint(cfg) -> None:
     """Before the run's checks: with trainer.checkpoint_uri, check it answers; for resume=auto bring its
     newest complete copy of this run into run_dir when the local ones are older; for resume=never refuse
