@@ -290,17 +290,15 @@ def warm_up_model(
     read out of the response: a short warm-up learns both copies with it at 2 (220 steps of 16 rows at lr
     2.5e-3: right calls and reads 1.00 on held-out problems), where without it one of them had often not
     formed (at 3 and more, the call's copy had not)."""
-    from ..inputs.demo import build_char_tokenizer, build_tiny_model, padded_batch, train_in_two_phases, weighted_loss
+    from ..inputs.demo import build_char_tokenizer, warm_up_tiny_model
 
     tok = build_char_tokenizer()
-    model = build_tiny_model(tok, seed)
     rng = random.Random(f"calculator warm-up {seed}")
 
-    def loss_at(step: int, tools_only: bool) -> torch.Tensor:
-        rows = warm_up_rows(tok, rng, batch_size, tool_share, exclude, 1.0 if tools_only else 0.5, read_weight)
-        return weighted_loss(model, padded_batch(tok, rows))
+    def rows_at(tools_only: bool) -> list:
+        return warm_up_rows(tok, rng, batch_size, tool_share, exclude, 1.0 if tools_only else 0.5, read_weight)
 
-    return train_in_two_phases(model, tok, loss_at, steps, lr, int(steps * tool_first), out, progress)
+    return warm_up_tiny_model(tok, rows_at, steps, lr, int(steps * tool_first), out, seed, progress)
 
 
 def warm_up_report(path: str, problems: list[str]) -> dict[str, float]:

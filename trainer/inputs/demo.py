@@ -143,7 +143,8 @@ def train_in_two_phases(
     out,
     progress: Callable[[int, float], None] | None = None,
 ) -> str:
-    """The format warm-up loop of the built-in multi-turn tasks (search/task.py, agents/calculator.py): AdamW
+    """The format warm-up loop of the built-in multi-turn tasks (`warm_up_tiny_model`) and of
+    examples/guess-env/warm_up.py: AdamW
     at `lr` for the `first_steps`, then falling linearly to a tenth, gradients clipped at 1; `loss_at(step,
     first_phase)` builds that step's rows and returns their loss. Saves the model and tokenizer into `out` and
     returns its path; `progress(step, loss)` after every step (1-based). Runs on one thread: the tiny model's
@@ -178,6 +179,27 @@ def train_in_two_phases(
 WarmUpRow = tuple[list[int], list[int], list[float]]
 """One warm-up sequence of the built-in multi-turn tasks: (token ids, labels, loss weights); label -100 where
 a token is context, not a target."""
+
+
+def warm_up_tiny_model(
+    tokenizer,
+    rows_at: Callable[[bool], list[WarmUpRow]],
+    steps: int,
+    lr: float,
+    first_steps: int,
+    out,
+    seed: int = 0,
+    progress: Callable[[int, float], None] | None = None,
+) -> str:
+    """The built-in tiny model (initialised from `seed`) after `train_in_two_phases` on the rows
+    `rows_at(first_phase)` gives each step, saved into `out`: the warm-up of the built-in tool and search
+    tasks. Returns its path."""
+    model = build_tiny_model(tokenizer, seed)
+
+    def loss_at(step: int, first_phase: bool) -> torch.Tensor:
+        return weighted_loss(model, padded_batch(tokenizer, rows_at(first_phase)))
+
+    return train_in_two_phases(model, tokenizer, loss_at, steps, lr, first_steps, out, progress)
 
 
 def padded_batch(tokenizer, rows: list[WarmUpRow]) -> dict[str, torch.Tensor]:

@@ -138,17 +138,16 @@ def warm_up_model(
     (at `search_share`), with a learning rate falling to a tenth, so the model ends with its choice
     near that share rather than wherever the last batches pushed it. (At lr 5e-3 the reading had often
     not formed after 200 steps; at 2e-3 it formed within 150 for seeds 1-3.)"""
-    from ..inputs.demo import build_char_tokenizer, build_tiny_model, padded_batch, train_in_two_phases, weighted_loss
+    from ..inputs.demo import build_char_tokenizer, warm_up_tiny_model
 
     tok = build_char_tokenizer()
-    model = build_tiny_model(tok, seed)
     rng = random.Random(f"warm-up {seed}")
 
-    def loss_at(step: int, reading: bool) -> torch.Tensor:
+    def rows_at(reading: bool) -> list:
         rows = warm_up_rows(tok, rng, batch_size, search_share, exclude, 1.0 if reading else 0.5)
-        return weighted_loss(model, padded_batch(tok, [(ids, labels, [1.0] * len(ids)) for ids, labels in rows]))
+        return [(ids, labels, [1.0] * len(ids)) for ids, labels in rows]
 
-    return train_in_two_phases(model, tok, loss_at, steps, lr, int(steps * read_first), out, progress)
+    return warm_up_tiny_model(tok, rows_at, steps, lr, int(steps * read_first), out, seed, progress)
 
 
 def rl_overrides(prompts: Path, val: Path, url: str, model: str) -> list[str]:
