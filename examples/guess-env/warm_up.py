@@ -102,24 +102,23 @@ def format_report(model, tok) -> float:
 def tool_report(model, tok) -> str:
     """How the model opens a turn, greedily and as sampled: its probability of calling (the first token "<")."""
     contexts = [PROMPT, f"{PROMPT}{call_text(3)}{GuessWithTool().wrap(['<tool_response>higher</tool_response>'])}"]
-    call = tok.convert_tokens_to_ids("<")
+    opens_call = tok.convert_tokens_to_ids("<")
     with torch.no_grad():
         probs = [
-            model(torch.tensor([tok.encode(c, add_special_tokens=False)])).logits[0, -1].softmax(-1)[call]
+            model(torch.tensor([tok.encode(c, add_special_tokens=False)])).logits[0, -1].softmax(-1)[opens_call]
             for c in contexts
         ]
     first, second = (f"{p:.0%}" for p in probs)
-    call = greedy(model, tok, [PROMPT], max_new_tokens=len(call_text(0)))[0]
-    return f"it calls with probability {first} at the first turn, {second} after a miss; greedily: {call!r}"
+    turn = greedy(model, tok, [PROMPT], max_new_tokens=len(call_text(0)))[0]
+    return f"it calls with probability {first} at the first turn, {second} after a miss; greedily: {turn!r}"
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split(":")[0])
     parser.add_argument(
         "--out",
         default="",
-        help="where the model goes (default: runs/guess-model, with --tool "
-        "runs/guess-tool-model: the presets' model.path)",
+        help="where the model goes (default: the presets' model.path, runs/guess-model or runs/guess-tool-model)",
     )
     parser.add_argument("--tool", action="store_true", help="the tool game's format (guess_tool.py)")
     parser.add_argument("--call-share", type=float, default=0.3, help="with --tool: the share of turns that call")
