@@ -17,6 +17,7 @@ from cloudrl.trainer.roles.packing import in_batch_order, micro_batches, pack, u
 from cloudrl.trainer.roles.worker_base import forward_logprobs, forward_values
 from cloudrl.trainer.roles.workers import CriticWorker, PolicyWorker
 from float_close import assert_same_math
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 # Skewed like reasoning RL: most responses short, a few long (one empty, one longer than the budgets below).
 RESPONSE_LENGTHS = [0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120, 4, 2, 9, 1]
@@ -338,14 +339,19 @@ def two_ranks(one_rank_update):
     """Two ranks on gloo: the micro-batch counts of LENGTHS_PER_RANK, and the gradients of two FSDP2 ranks, packed
     with a token budget, on one_rank_update's batch."""
     batch, _ = one_rank_update
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    out = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_on_rank, args=(ports, PACKED_TWO_RANKS, batch, out), nprocs=2, join=True)
-    return dict(out)
+    for attempt in range(3):  # a port is free when chosen; another process may take it before rank 0 listens
+        ports = []
+        for _ in range(2):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        out = mp.get_context("spawn").Manager().dict()
+        try:
+            mp.spawn(_on_rank, args=(ports, PACKED_TWO_RANKS, batch, out), nprocs=2, join=True)
+            return dict(out)
+        except ProcessRaisedException as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
 
 
 @STEP_REPLACED
