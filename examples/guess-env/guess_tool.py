@@ -12,12 +12,11 @@ GUESS = tool_schema("guess", "Guesses my digit: higher, lower or right.", {"digi
 class GuessWithTool(ToolEnvironment):
     def reset(self, sample: dict) -> str:
         self.target = int(sample["ground_truth"])
-        self.calls, self.found = 0, False
+        self.found = False
         self.tools = {"guess": (GUESS, self.guess)}  # this episode's tool, bound to its digit
         return super().reset(sample)
 
     def guess(self, digit: int) -> str:
-        self.calls += 1
         digit = int(digit)  # a call with "7" counts as 7; "seven" is answered with the ValueError
         if digit == self.target:
             self.found = True
