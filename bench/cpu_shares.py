@@ -1,7 +1,7 @@
 """Which process spends the CPU of a training step: milliseconds of CPU per step, per process.
 
     python bench/cpu_shares.py                              # trl_grpo.py's `async` layout, 2 threads
-    python bench/cpu_shares.py rollout.policy_lag=0         # extra KEY=VALUE overrides go to the run
+    python bench/cpu_shares.py rollout.max_staleness=0         # extra KEY=VALUE overrides go to the run
 
 Starts `python -m cloudrl.trainer --preset local` with the overrides of bench/trl_grpo.py's `async`
 layout (GRPO, 64 completions of 16 tokens, the actor and the rollout engine on one thread each, then

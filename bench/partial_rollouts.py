@@ -6,7 +6,7 @@
 The workload: the local preset's built-in tiny model without its format warm-up, so its answers are random
 characters that end at a random end-of-sequence: response lengths with a long tail (most samples a few tokens,
 some many times the median, up to rollout.max_new_tokens), and a generation longer than the update, so the
-pushes arrive while the batches ahead are generating. Two runs with `rollout.policy_lag=--lag`, one generating
+pushes arrive while the batches ahead are generating. Two runs with `rollout.max_staleness=--lag`, one generating
 whole batches and one with `rollout.partial=true` (segments of --segment tokens), on a local Ray instance of
 their own. Printed: the median step time, the token-mean and the largest staleness (weight versions behind the
 update a token trains), the share of samples continued with newer weights, the mean response length and the
@@ -54,13 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps not counted")
-    p.add_argument("--lag", type=int, default=2, help="rollout.policy_lag of both runs")
+    p.add_argument("--lag", type=int, default=2, help="rollout.max_staleness of both runs")
     p.add_argument("--segment", type=int, default=8, help="rollout.partial_segment_tokens")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE for both runs")
     a = p.parse_args(argv)
     if a.steps <= a.skip or a.skip < 0 or a.lag < 1 or a.segment < 1:
         p.error("--steps must exceed --skip (>= 0); --lag and --segment must be at least 1")
-    base = [*WORKLOAD, f"trainer.total_steps={a.steps}", f"rollout.policy_lag={a.lag}", *a.overrides]
+    base = [*WORKLOAD, f"trainer.total_steps={a.steps}", f"rollout.max_staleness={a.lag}", *a.overrides]
     ways = {
         "whole": [],
         "partial": ["rollout.partial=true", f"rollout.partial_segment_tokens={a.segment}"],
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = [r for r in run("local", base + extra, Path(tmp) / name) if r["step"] > a.skip]
             results[name] = summary(rows)
     keys = list(results["whole"])
-    print(f"\nlocal preset, untrained model (long-tailed lengths), rollout.policy_lag={a.lag}, {a.steps} steps:")
+    print(f"\nlocal preset, untrained model (long-tailed lengths), rollout.max_staleness={a.lag}, {a.steps} steps:")
     print(f"| {'':8} | " + " | ".join(keys) + " |")
     print("|" + "---|" * (len(keys) + 1))
     for name, values in results.items():

@@ -1,10 +1,10 @@
-"""Where a step of a shipped preset goes: the weight sync's share, and what policy_lag hides.
+"""Where a step of a shipped preset goes: the weight sync's share, and what max_staleness hides.
 
     python bench/step_phases.py                       # the local preset, 30 steps each way, ~4 minutes on 2 cores
     python bench/step_phases.py --preset local --steps 60 --lags 1 rollout.max_new_tokens=16
 
 Runs `python -m cloudrl.trainer --preset P` on a local Ray instance of its own, first as shipped (the
-rollout engine and the actor in turn), then with each `rollout.policy_lag` of --lags (default 1,2: the
+rollout engine and the actor in turn), then with each `rollout.max_staleness` of --lags (default 1,2: the
 engine generates the next one or two batches while the actor and critic train), and prints the median of
 each `timing/*` phase over the counted steps, the weight sync's share of a step, the step time saved
 against the in-turn run's generation time, the time between two of the actor's updates
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="local")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=3, help="warm-up steps not counted (default 3)")
-    p.add_argument("--lags", default="1,2", help="rollout.policy_lag values to compare with in turn (default 1,2)")
+    p.add_argument("--lags", default="1,2", help="rollout.max_staleness values to compare with in turn (default 1,2)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     a = p.parse_args(argv)
     if a.steps <= a.skip:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if not lags or any(k < 1 for k in lags):
         p.error(f"--lags ({a.lags}) must list policy lags of 1 or more")
     common = [f"trainer.total_steps={a.steps}", *a.overrides]
-    runs = [("in turn", []), *((f"policy_lag={k}", [f"rollout.policy_lag={k}"]) for k in lags)]
+    runs = [("in turn", []), *((f"max_staleness={k}", [f"rollout.max_staleness={k}"]) for k in lags)]
     with tempfile.TemporaryDirectory(prefix="cloudrl-phases-") as tmp:
         results = {}
         for name, extra in runs:

@@ -14,8 +14,8 @@ Each round runs, one after the other and each in its own process tree, for every
    in five layouts (--layouts): `lean` (the actor worker generates with the policy it trains and
    the driver scores the rule reward, as TRL's single process does both), `actor` (the same with a
    reward worker), `workers` (a separate rollout worker that receives the weights every step, and
-   a reward worker), `async` (`workers` with rollout.policy_lag=1: the worker generates the next
-   batch while the actor trains) and `async2` (rollout.policy_lag=2: the next two). Every computing worker reserves that many CPUs, so torch uses that
+   a reward worker), `async` (`workers` with rollout.max_staleness=1: the worker generates the next
+   batch while the actor trains) and `async2` (rollout.max_staleness=2: the next two). Every computing worker reserves that many CPUs, so torch uses that
    many threads; in `async` and `async2` the actor and the engine, which run at once, split them. Step times from run_dir/metrics.jsonl (`time` of each row, and `timing/step`).
 2. TRL: bench/_trl_worker.py with the venv's Python, GRPOTrainer on the same model directory and
    prompts, torch limited to that many threads; step times from a TrainerCallback (on_step_end
@@ -284,18 +284,18 @@ LAYOUTS = {
     # The engine generates the next batch while the actor trains: the two run at once, so they split the
     # threads (at 1 thread each still gets one, 2 in all).
     "async": (
-        "rollout worker, policy_lag=1",
+        "rollout worker, max_staleness=1",
         lambda t: [
-            "rollout.policy_lag=1",
+            "rollout.max_staleness=1",
             f"actor.cpus_per_worker={max(1, t // 2)}",
             f"rollout.cpus_per_engine={max(1, t - t // 2)}",
         ],
     ),
     # Two batches ahead: the engine goes on to the batch after next instead of waiting for the update.
     "async2": (
-        "rollout worker, policy_lag=2",
+        "rollout worker, max_staleness=2",
         lambda t: [
-            "rollout.policy_lag=2",
+            "rollout.max_staleness=2",
             f"actor.cpus_per_worker={max(1, t // 2)}",
             f"rollout.cpus_per_engine={max(1, t - t // 2)}",
         ],
@@ -331,8 +331,8 @@ def main(argv=None) -> int:
         help="cloudrl layouts, any of: lean (placement.rollout_in_actor=true reward.in_driver=true: "
         "one worker generates and trains, the driver scores, as TRL's one process does), actor "
         "(the same with a reward worker) and workers (a separate rollout worker, weights synced "
-        "every step, and a reward worker), async (workers with rollout.policy_lag=1: the "
-        "next batch generates while the actor trains), async2 (rollout.policy_lag=2: the next two). "
+        "every step, and a reward worker), async (workers with rollout.max_staleness=1: the "
+        "next batch generates while the actor trains), async2 (rollout.max_staleness=2: the next two). "
         "Default: lean,actor,workers,async",
     )
     p.add_argument(
@@ -441,7 +441,7 @@ def main(argv=None) -> int:
         )
 
     # Where the time goes: per step, then the median over steps of each part.
-    # cloudrl's phases: with policy_lag=1 they overlap (the next step starts while the update runs),
+    # cloudrl's phases: with max_staleness=1 they overlap (the next step starts while the update runs),
     # so they do not add up to the step; actor_between_updates and engine_weight_wait show what each
     # side waited.
     names = [

@@ -164,13 +164,13 @@ class RolloutConfig:
     logprob_correction_cap: float = 2.0
     """Upper bound of those weights (truncated modes), or of the ratios kept (masked modes, the lower bound
     its reciprocal; geo_mis compares a mean per token: a bound near 1, such as 1.001)."""
-    policy_lag: int = 0
+    max_staleness: int = 0
     """k >= 1: the engines generate the next k steps' rollouts (with the weights before this step's update)
     while this step trains, so a sample is at most k weight versions old, and the lag is corrected with the
     importance weights above; 0: in turn. At most 4; a step that validates or checkpoints is not generated
-    ahead of."""
+    ahead of. Also accepted as `rollout.policy_lag`, its older name."""
     partial: bool = False
-    """With policy_lag >= 1, partial rollouts: the engines generate in segments and take the weights pushed
+    """With max_staleness >= 1, partial rollouts: the engines generate in segments and take the weights pushed
     meanwhile between two segments, so a batch in flight continues its unfinished samples from their prefixes
     with the newer policy (rollout/partial.py); each token records its weight version. Single-turn generation
     with the weights through Ray's object store; elsewhere the run says so at start and generates whole."""
@@ -530,7 +530,7 @@ class Config:
     @property
     def corrects_logprobs(self) -> bool:
         """The loss is reweighted by trainer-vs-sampler importance weights (asked for, or lagging rollouts)."""
-        return self.rollout.logprob_correction or self.rollout.policy_lag > 0
+        return self.rollout.logprob_correction or self.rollout.max_staleness > 0
 
     @property
     def uses_critic(self) -> bool:

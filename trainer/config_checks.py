@@ -192,7 +192,7 @@ RANGES: dict[str, Range] = {
     "rollout.cpus_per_engine": NON_NEGATIVE,
     "rollout.gpu_memory_utilization": FRACTION,
     "rollout.max_engines": Range(0, hint="with rollout.elastic, the most engines at once; 0 without it"),
-    "rollout.policy_lag": Range(
+    "rollout.max_staleness": Range(
         0, 4, hint="0 generates in turn with training, k keeps k batches in flight; samples k updates old weigh little"
     ),
     "rollout.partial_segment_tokens": Range(0, hint="0 is a quarter of rollout.max_new_tokens"),
@@ -303,8 +303,8 @@ def validate(cfg: Any) -> None:
     _check_engine_layout(cfg)
     if cfg.placement.rollout_in_actor:
         _check_rollout_in_actor(cfg)
-    if r.policy_lag:
-        _check_policy_lag(cfg)
+    if r.max_staleness:
+        _check_max_staleness(cfg)
     if r.partial:
         _check_partial(cfg)
     if r.elastic or r.max_engines:
@@ -475,27 +475,27 @@ def _check_objective(cfg: Any) -> None:
         )
 
 
-def _check_policy_lag(cfg: Any) -> None:
+def _check_max_staleness(cfg: Any) -> None:
     """Rollouts generated while the policy trains need engines of their own that stay awake; batches
     generated more than one step ahead need their prompts known that early."""
     p = cfg.placement
-    lag = f"rollout.policy_lag={cfg.rollout.policy_lag}"
+    lag = f"rollout.max_staleness={cfg.rollout.max_staleness}"
     if p.rollout_in_actor or p.colocate_all:
         key = "placement.rollout_in_actor" if p.rollout_in_actor else "placement.colocate_all"
         raise ConfigError(
             f"{lag} generates while the actor trains, but {key}=true puts generation "
             f"on the actor's own {'workers' if p.rollout_in_actor else 'GPUs'}: set {key}=false, or "
-            f"rollout.policy_lag=0"
+            f"rollout.max_staleness=0"
         )
     if cfg.rollout.sleep_between_rollouts:
         raise ConfigError(
             f"{lag} keeps the engines generating while the actor trains: set "
-            "rollout.sleep_between_rollouts=false, or rollout.policy_lag=0"
+            "rollout.sleep_between_rollouts=false, or rollout.max_staleness=0"
         )
-    if cfg.rollout.policy_lag > 1 and cfg.algorithm.dynamic_sampling:
+    if cfg.rollout.max_staleness > 1 and cfg.algorithm.dynamic_sampling:
         raise ConfigError(
-            f"{lag} starts batches {cfg.rollout.policy_lag} steps ahead, but algorithm.dynamic_sampling=true "
-            "draws a step's extra prompts only once its scores are in: set rollout.policy_lag=1 (one batch "
+            f"{lag} starts batches {cfg.rollout.max_staleness} steps ahead, but algorithm.dynamic_sampling=true "
+            "draws a step's extra prompts only once its scores are in: set rollout.max_staleness=1 (one batch "
             "ahead, started after the refill), or algorithm.dynamic_sampling=false"
         )
 
@@ -504,10 +504,10 @@ def _check_partial(cfg: Any) -> None:
     """Partial rollouts take weights pushed while a batch generates: there must be batches in flight, and a
     generation that can be cut into segments (one turn)."""
     r = cfg.rollout
-    if not r.policy_lag:
+    if not r.max_staleness:
         raise ConfigError(
             "rollout.partial=true takes new weights in the middle of batches generated ahead, but "
-            "rollout.policy_lag=0 generates each batch after the weights it needs: set rollout.policy_lag >= 1, "
+            "rollout.max_staleness=0 generates each batch after the weights it needs: set rollout.max_staleness >= 1, "
             "or rollout.partial=false"
         )
     if r.environment or cfg.search.enabled:

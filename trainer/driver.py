@@ -9,7 +9,7 @@
 `train(cfg)` runs the whole job around the loop (job.py: the cluster, the inputs, the roles, restarts).
 
 What is simplified, on purpose:
-1. Generation runs at most `rollout.policy_lag` steps ahead: with k >= 1 the next k batches generate (with
+1. Generation runs at most `rollout.max_staleness` steps ahead: with k >= 1 the next k batches generate (with
    the weights they find) while this step's update runs (rollout/queue.py and rollout/in_flight.py hold the two
    halves); a step that must see its updated weights (a validation, a checkpoint) is not generated ahead of.
 2. The driver holds the whole batch: rewards, advantages and batch splitting run here, in one process.
@@ -115,7 +115,9 @@ class Trainer:
             scorer_labels=[] if cfg.reward.in_driver else roles.reward.labels(),
         )
         critic_labels = roles.critic.labels() if cfg.uses_critic else []
-        self.in_flight = StepsInFlight(self.rollouts, not cfg.rollout.policy_lag, roles.actor.labels(), critic_labels)
+        self.in_flight = StepsInFlight(
+            self.rollouts, not cfg.rollout.max_staleness, roles.actor.labels(), critic_labels
+        )
         self.push_weights = WeightPush(cfg, roles, self.rollouts)
         if self.push_weights.engines_replaceable:  # a lost engine costs no restart (docs/recovery.md)
             self.rollouts.engines.replace_lost(roles.rollout)
@@ -191,7 +193,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def step(self, prompts: list[PromptRecord]) -> list[tuple[int, dict]]:
         """One PPO step on `prompts`, up to sending its update and new weights. Returns the steps whose
-        updates were collected now, with their metrics: this one, or with rollout.policy_lag=1 the one
+        updates were collected now, with their metrics: this one, or with rollout.max_staleness=1 the one
         before it, while this one's update still runs (`StepsInFlight`)."""
         cfg = self.cfg
         timer = Timer()
@@ -199,7 +201,7 @@ class Trainer:
         kl_coef = self.kl_ctl.value
         sees_weights = self.must_see_weights(self.global_step)
 
-        # ---- 1. Rollout: n samples per prompt, grouped per prompt. With rollout.policy_lag=k they
+        # ---- 1. Rollout: n samples per prompt, grouped per prompt. With rollout.max_staleness=k they
         #      were started during an earlier step, and the next steps' start now (up to k ahead).
         with timer("rollout"):
             got = self.rollout(prompts, sees_weights)
@@ -253,13 +255,13 @@ class Trainer:
         metrics.update(WATCH.stragglers.metrics())
         tokens = float(response_mask.sum())
         sent = SentStep(self.global_step, metrics, timer, started, update_sent, actor_refs, critic_refs, tokens)
-        hold = bool(cfg.rollout.policy_lag) and not self.must_see_weights(self.global_step)
+        hold = bool(cfg.rollout.max_staleness) and not self.must_see_weights(self.global_step)
         return self.in_flight.add(sent, hold=hold)
 
     # ------------------------------------------------------------------------------------------
     def rollout(self, prompts: list[PromptRecord], sees_weights: bool) -> Rollouts:
         """This step's samples (taken from the batches in flight, or generated now) and, with
-        rollout.policy_lag=k, the batches of the next k steps started. With dynamic sampling the next batch
+        rollout.max_staleness=k, the batches of the next k steps started. With dynamic sampling the next batch
         starts in `refill` instead, once this step has drawn all the prompts it needs."""
         step = self.global_step
         then = [] if sees_weights or self.cfg.algorithm.dynamic_sampling else self.next_rollouts()
@@ -272,7 +274,7 @@ class Trainer:
         """Dynamic sampling (rollout/dynamic_sampling.py `refill`): keep the prompts whose samples score differently,
         generating rounds of new prompts from the loader (with the weights pushed last) until
         data.train_batch_size are kept or algorithm.max_sampling_rounds rounds ran. Only then does the next
-        step's batch start (rollout.policy_lag=1), from where the loader now stands: the loader state a
+        step's batch start (rollout.max_staleness=1), from where the loader now stands: the loader state a
         checkpoint saves is where the next step begins, as without dynamic sampling."""
         cfg = self.cfg
         n = cfg.rollout.n
@@ -290,7 +292,7 @@ class Trainer:
 
         first = Round(prompts, sampled.rollouts.completions, sampled.scores, sampled.rollouts.waited_s)
         kept, metrics = refill(first, more, cfg.data.train_batch_size, n, cfg.algorithm.max_sampling_rounds)
-        for ahead in [] if sees_weights else self.next_rollouts():  # with dynamic sampling: policy_lag <= 1
+        for ahead in [] if sees_weights else self.next_rollouts():  # with dynamic sampling: max_staleness <= 1
             self.rollouts.start(self.rollouts.started_through(self.global_step) + 1, *ahead)
         self.push_weights.release_engines()
         return Sampled(
@@ -417,12 +419,12 @@ class Trainer:
         return self.stop is not None and self.stop.requested
 
     def next_rollouts(self) -> list[tuple]:
-        """With rollout.policy_lag=k: the prompts and sampling settings of the steps up to k after this one
+        """With rollout.max_staleness=k: the prompts and sampling settings of the steps up to k after this one
         whose batches are not in flight yet, to start now (the caller has checked that this step need not
         see its updated weights). Nothing beyond a later step that must (`must_see_weights`): the step after
         it generates with them, as a resumed run does."""
         step = self.global_step
-        last = step + self.cfg.rollout.policy_lag
+        last = step + self.cfg.rollout.max_staleness
         batches = self.loader.peek_batches(last - step)  # batches[i]: step + 1 + i's prompts
         ahead = []
         for later in range(self.rollouts.started_through(step) + 1, last + 1):

@@ -248,7 +248,12 @@ DEPENDENT_DEFAULTS: dict[str, dict[Any, dict[str, Any]]] = {
 }
 
 
+# Older names of keys, accepted wherever a key is set (presets, overrides, the configs saved in checkpoints).
+ALIASES: dict[str, str] = {"rollout.policy_lag": "rollout.max_staleness"}
+
+
 def set_key(cfg: Any, key: str, value: Any, source: str, explicit: bool = True) -> None:
+    key = ALIASES.get(key, key)
     try:
         owner, f = _resolve(cfg, key)
     except KeyError:

@@ -7,7 +7,7 @@ once, with its node, in the job log; `health/stragglers` counts the workers name
         print(line)
 
 The hang watch (hangs.py) feeds it the time from a phase's send to each call's answer, as the driver saw it.
-With rollout.policy_lag=1 a batch's answers are often all in before the driver asks, so a slow engine shows
+With rollout.max_staleness=1 a batch's answers are often all in before the driver asks, so a slow engine shows
 less there than in the updates and the scoring.
 """
 

@@ -341,7 +341,7 @@ def test_format_warmup_batches(tok):
 
 def test_peek_batches_are_the_next_batches_without_taking_them():
     """Across epoch boundaries (6 records, batches of 4): peeking twice gives the same batches, the loader's
-    position only moves on a take, and the k-th peeked batch is the k-th taken (rollout.policy_lag=k starts
+    position only moves on a take, and the k-th peeked batch is the k-th taken (rollout.max_staleness=k starts
     batches k steps ahead)."""
     loader = PromptLoader(make_records(6), batch_size=4, shuffle=True, seed=0)
     for taken in range(5):

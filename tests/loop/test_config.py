@@ -136,8 +136,20 @@ def test_help_config_gives_each_key_one_line_however_its_docstring_wraps() -> No
     text = describe_keys()
     sections = [line for line in text.splitlines() if not line.startswith("  ")]
     assert len(text.splitlines()) == len(sections) + len(all_keys(Config()))
-    policy_lag = next(line for line in text.splitlines() if line.startswith("  rollout.policy_lag = "))
-    assert "(with the weights before this step's update) while this step trains" in policy_lag
+    max_staleness = next(line for line in text.splitlines() if line.startswith("  rollout.max_staleness = "))
+    assert "(with the weights before this step's update) while this step trains" in max_staleness
+
+
+def test_the_older_name_of_max_staleness_sets_it_in_overrides_presets_and_saved_configs(tmp_path: Path) -> None:
+    assert load_config("local", ["rollout.policy_lag=2"]).rollout.max_staleness == 2
+    preset = tmp_path / "lagging.yaml"
+    preset.write_text("base: local\nrollout: {policy_lag: 1}\n")
+    assert load_config(str(preset)).rollout.max_staleness == 1
+    saved = load_config("local").to_dict()
+    saved["rollout"]["policy_lag"] = saved["rollout"].pop("max_staleness") + 3  # a checkpoint's config before the name
+    assert config_from_dict(saved).rollout.max_staleness == 3
+    with pytest.raises(ConfigError, match="rollout.max_staleness"):  # checked under its name either way
+        load_config("local", ["rollout.policy_lag=9"])
 
 
 # ----------------------------------------------------------------------------------------------

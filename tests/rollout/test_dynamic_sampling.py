@@ -1,6 +1,6 @@
 """Dynamic sampling (rollout/dynamic_sampling.py `refill`, driver `Trainer.refill`) with a stand-in generator and
 reward: groups whose samples all score the same are dropped, the batch is refilled to size from new
-prompts, the bound on rounds keeps a too-hard task from looping, and with rollout.policy_lag=1 the
+prompts, the bound on rounds keeps a too-hard task from looping, and with rollout.max_staleness=1 the
 next batch starts only after the refill, from where the loader then stands."""
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class _Push:
 def test_trainer_refill_draws_from_the_loader_then_starts_the_next_batch() -> None:
     cfg = load_config(
         "local",
-        ["algorithm.name=grpo", "algorithm.dynamic_sampling=true", "rollout.policy_lag=1", "rollout.n=4"]
+        ["algorithm.name=grpo", "algorithm.dynamic_sampling=true", "rollout.max_staleness=1", "rollout.n=4"]
         + ["data.train_batch_size=8", "actor.mini_batch_size=32", "actor.micro_batch_size=32"],
     )
     trainer = Trainer.__new__(Trainer)

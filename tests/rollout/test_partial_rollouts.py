@@ -117,13 +117,15 @@ def test_staleness_is_counted_per_token():
 
 
 def test_the_config_needs_batches_in_flight_and_single_turns():
-    with pytest.raises(ConfigError, match=r"rollout.policy_lag=0 generates each batch .* set rollout.policy_lag >= 1"):
+    with pytest.raises(
+        ConfigError, match=r"rollout.max_staleness=0 generates each batch .* set rollout.max_staleness >= 1"
+    ):
         load_config("local", ["rollout.partial=true"])
     with pytest.raises(ConfigError, match="rollout.environment generates episodes of several turns"):
-        load_config("local", ["rollout.partial=true", "rollout.policy_lag=1", "rollout.environment=x.py:Env"])
-    cfg = load_config("local", ["rollout.partial=true", "rollout.policy_lag=1"])
+        load_config("local", ["rollout.partial=true", "rollout.max_staleness=1", "rollout.environment=x.py:Env"])
+    cfg = load_config("local", ["rollout.partial=true", "rollout.max_staleness=1"])
     assert segment_tokens(cfg.rollout) == 1  # a quarter of the local preset's 4 new tokens
-    cfg = load_config("local", ["rollout.partial=true", "rollout.policy_lag=1", "rollout.partial_segment_tokens=3"])
+    cfg = load_config("local", ["rollout.partial=true", "rollout.max_staleness=1", "rollout.partial_segment_tokens=3"])
     assert segment_tokens(cfg.rollout) == 3
 
 
@@ -141,7 +143,7 @@ def test_a_push_made_while_a_batch_generates_reaches_its_later_tokens(ray_local,
     from cloudrl.trainer.rollout.queue import RolloutQueue
 
     model_dir = materialize_builtin("tiny", warmup_steps=0)
-    overrides = ["rollout.policy_lag=1", "rollout.partial=true", "rollout.partial_segment_tokens=2"]
+    overrides = ["rollout.max_staleness=1", "rollout.partial=true", "rollout.partial_segment_tokens=2"]
     cfg = load_config("local", [*overrides, "rollout.max_new_tokens=200", f"trainer.run_dir={tmp_path}"])
     worker = ray.remote(num_cpus=0)(RolloutWorker).remote(cfg.to_dict(), model_dir)
     try:

@@ -1,4 +1,4 @@
-"""rollout.policy_lag=k: the engines generate the next k steps' batches while the current one trains."""
+"""rollout.max_staleness=k: the engines generate the next k steps' batches while the current one trains."""
 
 from __future__ import annotations
 
@@ -21,21 +21,23 @@ def _rows(run_dir) -> dict[int, dict]:
         ("placement.rollout_in_actor=true", "placement.rollout_in_actor=false"),
         ("placement.colocate_all=true", "placement.colocate_all=false"),
         ("rollout.sleep_between_rollouts=true", "rollout.sleep_between_rollouts=false"),
-        ("rollout.policy_lag=5", "rollout.policy_lag"),
+        ("rollout.max_staleness=5", "rollout.max_staleness"),
     ],
 )
 def test_what_cannot_overlap_is_refused(override, expected):
     with pytest.raises(ConfigError, match=expected):
-        load_config("local", ["rollout.policy_lag=1", override])
+        load_config("local", ["rollout.max_staleness=1", override])
 
 
 def test_batches_more_than_one_step_ahead_refuse_dynamic_sampling():
     """A step's refill draws prompts only once its scores are in: batches started two steps ahead would
     have taken those prompts already."""
     base = ["algorithm.name=grpo", "algorithm.dynamic_sampling=true"]
-    load_config("local", [*base, "rollout.policy_lag=1"])
-    with pytest.raises(ConfigError, match="rollout.policy_lag=2 starts batches 2 steps ahead.*dynamic_sampling=false"):
-        load_config("local", [*base, "rollout.policy_lag=2"])
+    load_config("local", [*base, "rollout.max_staleness=1"])
+    with pytest.raises(
+        ConfigError, match="rollout.max_staleness=2 starts batches 2 steps ahead.*dynamic_sampling=false"
+    ):
+        load_config("local", [*base, "rollout.max_staleness=2"])
 
 
 @pytest.mark.ray
@@ -51,7 +53,7 @@ def test_lagging_run_learns(ray_local, tmp_path, lag, partial):
         **REWARD_RISES,
         "algorithm.name": "grpo",
         "algorithm.grpo_norm_by_std": "false",
-        "rollout.policy_lag": lag,
+        "rollout.max_staleness": lag,
         # A lagging batch was sampled one update ago. At the local preset's lr (2e-3) one update can move
         # the tiny policy's log-probs on the sampled tokens by several nats (rollout/logprob_diff 0.7-4.7),
         # so the truncated weights discard most samples and the run stalls; at 5e-4 the gap stays ~0.02.
@@ -77,11 +79,11 @@ def test_lagging_run_learns(ray_local, tmp_path, lag, partial):
 
 @pytest.mark.ray
 def test_without_lag_the_queue_changes_nothing(ray_local, tiny_straight_run, tmp_path):
-    """policy_lag=1 with a checkpoint after every step never has a batch in flight: it must equal the
+    """max_staleness=1 with a checkpoint after every step never has a batch in flight: it must equal the
     run that generates in turn (the shared tiny straight run: the same importance weighting, a checkpoint
     after every step), metric for metric."""
     queued = tmp_path / "queued"
-    train(load_config("local", tiny_straight_run.overrides(queued, **{"rollout.policy_lag": 1})))
+    train(load_config("local", tiny_straight_run.overrides(queued, **{"rollout.max_staleness": 1})))
     a, b = _rows(tiny_straight_run.run_dir), _rows(queued)
     assert sorted(a) == sorted(b) == list(range(1, TINY_STRAIGHT_STEPS + 1))
     for step in sorted(a):
@@ -92,11 +94,11 @@ def test_without_lag_the_queue_changes_nothing(ray_local, tiny_straight_run, tmp
 
 @pytest.mark.ray
 def test_resumed_lagging_run_matches_the_uninterrupted_one(ray_local, tmp_path):
-    """Two batches in flight (rollout.policy_lag=2), a checkpoint after step 3. No batch is started ahead of
+    """Two batches in flight (rollout.max_staleness=2), a checkpoint after step 3. No batch is started ahead of
     a step that checkpoints, so the step after it starts from the saved weights, in the straight run as in
     the resumed one: steps 4 to 6 (5 and 6 sampled while 4 and 5 trained) come out the same."""
     # No reward workers (reward.in_driver): the rewards are scored by the same code in the driver.
-    common = {"trainer.save_every": 3, "trainer.keep_last": 5, "rollout.policy_lag": 2, "reward.in_driver": "true"}
+    common = {"trainer.save_every": 3, "trainer.keep_last": 5, "rollout.max_staleness": 2, "reward.in_driver": "true"}
     train(load_config("local", tiny_overrides(tmp_path / "straight", **common, **{"trainer.total_steps": 6})))
     train(load_config("local", tiny_overrides(tmp_path / "resumed", **common, **{"trainer.total_steps": 3})))
     summary = train(

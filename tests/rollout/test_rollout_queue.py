@@ -134,7 +134,7 @@ def test_a_push_waits_for_nothing_and_each_batch_sees_the_weights_pushed_before_
 
 
 def test_two_batches_in_flight_lag_two_versions_and_then_see_the_pushes(ray_local):
-    """rollout.policy_lag=2: the batches of the next two steps are started before this step's push; each
+    """rollout.max_staleness=2: the batches of the next two steps are started before this step's push; each
     engine generates them in turn with the weights it has, and loads the push after them."""
     import ray
 

@@ -64,6 +64,8 @@ def test_engine_args_follow_the_config():
     assert args["enable_memory_saver"] is True  # colocated: the engines sleep while the policy trains
     assert args["context_length"] == 1024 + 1024 and args["random_seed"] == config().trainer.seed + 2
     assert "nnodes" not in args
+    episodes = config("data.max_prompt_length=64", "rollout.environment=env.py:Env", "rollout.max_episode_tokens=200")
+    assert sglang_engine.engine_args(episodes, "/m")["context_length"] == 64 + 200  # the episode is fed back
     spanning = load_config("engine-2node", ["rollout.engine=vllm"])  # the keys exist for a two-node engine
     spanning.rollout.engine = "sglang"
     args = sglang_engine.engine_args(spanning, "/m", node_rank=1, dist_init_addr="10.0.0.1:5000")

@@ -267,7 +267,7 @@ def test_ppo_steps_end_to_end_with_two_vllm_engines(tmp_path):
 
 
 def test_lagging_rollouts_sample_from_the_weights_before_the_update(tmp_path):
-    """rollout.policy_lag=1 with a vLLM engine: step t+1's batch is sampled while step t trains, so from
+    """rollout.max_staleness=1 with a vLLM engine: step t+1's batch is sampled while step t trains, so from
     step 2 on the engine's log-probs are those of the previous policy (far off the trainer's), the lag is
     1 and the correction weights move off 1; step 1, sampled before any update, matches exactly."""
     import json
@@ -280,7 +280,7 @@ def test_lagging_rollouts_sample_from_the_weights_before_the_update(tmp_path):
         "local",
         [
             "rollout.engine=vllm",
-            "rollout.policy_lag=1",
+            "rollout.max_staleness=1",
             "trainer.total_steps=3",
             "model.sft_warmup_steps=0",
             f"trainer.run_dir={tmp_path}",

@@ -316,6 +316,8 @@ def test_the_context_holds_a_whole_multi_turn_response():
     )
     assert vllm_engine.engine_args(plain, "/m", on_gpu=False, environ={})[0]["max_model_len"] == 64 + 24
     assert vllm_engine.engine_args(search, "/m", on_gpu=False, environ={})[0]["max_model_len"] == 64 + 112
+    episodes = config("data.max_prompt_length=64", "rollout.environment=env.py:Env", "rollout.max_episode_tokens=200")
+    assert vllm_engine.engine_args(episodes, "/m", on_gpu=False, environ={})[0]["max_model_len"] == 64 + 200
 
 
 def test_every_llm_call_matches_vllms_signatures(monkeypatch):

@@ -225,8 +225,8 @@ def test_the_push_is_chosen_once_from_the_placement_and_the_actors_device(ray_lo
     )
 
 
-def test_with_policy_lag_the_nccl_push_waits_for_the_batch_in_flight(ray_local):
-    """policy_lag=1 starts the next batch before the update. The actor ranks' push (collectives from its first
+def test_with_max_staleness_the_nccl_push_waits_for_the_batch_in_flight(ray_local):
+    """max_staleness=1 starts the next batch before the update. The actor ranks' push (collectives from its first
     line on GPUs) starts only after that batch is generated, so no rank waits inside a collective while an
     engine generates; the batch's samples still come from the weights before the push."""
     import ray

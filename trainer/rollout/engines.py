@@ -3,7 +3,7 @@
 An engine lives inside a `RolloutWorker` Ray actor (see workers.py). It takes token-id prompts and
 returns, for each prompt, `n` sampled responses (token ids, their log-probs under the engine, and
 why each stopped), grouped consecutively: prompt i's samples are results[i*n:(i+1)*n]. After every
-policy update the trainer pushes the new weights with `load_weights` (with `rollout.policy_lag=1`
+policy update the trainer pushes the new weights with `load_weights` (with `rollout.max_staleness=1`
 after the engine has finished the batch it generates meanwhile, see rollout/queue.py). With
 `placement.rollout_in_actor` an `HFEngine` wraps the policy worker's own model instead, and there is
 nothing to push.

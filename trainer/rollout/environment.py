@@ -81,13 +81,16 @@ class Environment(Protocol):
 
 @dataclass
 class EpisodeLimits:
-    max_turns: int = 4
+    """An episode's bounds: rollout.max_turns, max_episode_tokens, max_obs_tokens and episode_timeout_s
+    (`from_config`), which hold their defaults and meanings; the search task's come from search.*."""
+
+    max_turns: int
     """Model turns per episode at most."""
-    max_episode_tokens: int = 256
+    max_episode_tokens: int
     """Generated plus observation tokens per episode."""
-    max_obs_tokens: int = 128
+    max_obs_tokens: int
     """Tokens per observation; longer ones are cut."""
-    episode_timeout_s: float = 60.0
+    episode_timeout_s: float
     """Wall time per episode, from its reset."""
 
     @classmethod

@@ -1,6 +1,6 @@
 """The update half of the overlap: the steps whose actor and critic updates were sent and are not yet collected.
 
-With `rollout.policy_lag` >= 1 a step's update is collected only at the end of the next step (the next batch
+With `rollout.max_staleness` >= 1 a step's update is collected only at the end of the next step (the next batch
 already generates with the weights before it), so the driver's step itself reads straight through; without
 policy lag every step is collected at its own end, after its weight push has been loaded.
 """
@@ -34,7 +34,7 @@ class SentStep:
 
 
 class StepsInFlight:
-    """Collects the updates of sent steps. A step is held while the next one runs (`rollout.policy_lag` >= 1:
+    """Collects the updates of sent steps. A step is held while the next one runs (`rollout.max_staleness` >= 1:
     the next batch already generates with the weights before this update) unless something must see its
     weights first; then it is collected at the end of the next step. Without policy lag no step is held.
 

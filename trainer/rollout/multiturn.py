@@ -42,11 +42,14 @@ Search = Callable[[list[str]], list[list[str]]]
 
 @dataclass
 class TurnSettings:
-    max_turns: int = 4
+    """A search episode's bounds: search.max_turns, max_response_tokens and max_obs_tokens (`from_config`),
+    which hold their defaults."""
+
+    max_turns: int
     """Observations per sample at most (a last turn follows the last one)."""
-    max_response_tokens: int = 256
+    max_response_tokens: int
     """Generated plus observation tokens per sample."""
-    max_obs_tokens: int = 128
+    max_obs_tokens: int
     """Tokens per observation, tags included; longer passages are cut."""
 
     @classmethod

@@ -1,6 +1,6 @@
 """Partial rollouts (`rollout.partial`): generations in flight take new weights as they arrive.
 
-With `rollout.policy_lag` >= 1 the engines generate the next batches while the policy trains, and an engine
+With `rollout.max_staleness` >= 1 the engines generate the next batches while the policy trains, and an engine
 runs one call at a time: weights pushed meanwhile are loaded after the batches it is generating. With
 rollout.partial an engine generates a batch in segments of `rollout.partial_segment_tokens` tokens; between
 two segments it asks the queue's `WeightBoard` whether newer weights have been pushed and, once they are in the

@@ -1,4 +1,4 @@
-"""Generation on the rollout engines, with up to `rollout.policy_lag` batches in flight, the batches'
+"""Generation on the rollout engines, with up to `rollout.max_staleness` batches in flight, the batches'
 rewards, and the weights the engines generate with.
 
     got = queue.take(step, prompts, settings, then=[(next_prompts, next_settings), ...])
@@ -17,9 +17,9 @@ reward worker as soon as it is generated (Ray passes the result without the driv
 flight its rewards are ready when the driver takes it.
 
 A batch started before an update is generated with older weights: `take` returns how many weight versions
-it lags behind the ones pushed since it started (at most `rollout.policy_lag`: the driver starts a batch at
+it lags behind the ones pushed since it started (at most `rollout.max_staleness`: the driver starts a batch at
 most that many steps ahead), which the driver logs and corrects with importance weights
-(`rollout.logprob_correction_cap`). With `policy_lag=0` every batch is started in `take` and the lag is 0.
+(`rollout.logprob_correction_cap`). With `max_staleness=0` every batch is started in `take` and the lag is 0.
 
 Dynamic sampling is in dynamic_sampling.py; the other half of the overlap, the updates of sent steps, in
 in_flight.py.
@@ -322,7 +322,7 @@ class RolloutQueue:
     def take(self, step: int, prompts: list[PromptRecord], settings, then: list[tuple] = ()) -> Rollouts:
         """`step`'s samples: the oldest batch in flight (it must be this step's), or generated now. `then`:
         (prompts, settings) of the steps after the last one in flight, started right away, before this
-        step's update (`rollout.policy_lag`)."""
+        step's update (`rollout.max_staleness`)."""
         if not self.pending:
             self.start(step, prompts, settings)
         batch = self.pending.pop(0)
@@ -370,7 +370,7 @@ class RolloutQueue:
         return timings
 
     def generating(self) -> tuple[list, list[str]]:
-        """The generate calls of the batches in flight, if any (`rollout.policy_lag` starts them before the
+        """The generate calls of the batches in flight, if any (`rollout.max_staleness` starts them before the
         update), and their engines' labels."""
         refs = [ref for batch in self.pending for ref in batch.refs]
         labels = [self.engines.labels[e] for batch in self.pending for e in batch.engine_ids]

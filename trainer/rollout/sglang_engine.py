@@ -71,7 +71,7 @@ def engine_args(cfg, model_path: str, engine_index: int = 0, node_rank: int = 0,
     A pure function of its arguments. `node_rank` and `dist_init_addr` (host:port of node rank 0) matter
     only for an engine over several nodes (rollout.nodes_per_engine)."""
     r = cfg.rollout
-    response_tokens = cfg.search.max_response_tokens if cfg.search.enabled else r.max_new_tokens
+    response_tokens = cfg.response_limit  # multi-turn: the whole episode's response is fed back as prompt
     kwargs: dict = dict(
         model_path=model_path,
         tokenizer_path=model_path,

@@ -136,10 +136,9 @@ def engine_args(
     """
     environ = os.environ if environ is None else environ
     r = cfg.rollout
-    # With search, later turns feed the earlier turns and their observations back in as prompt, so the
+    # Multi-turn, later turns feed the earlier turns and their observations back in as prompt, so the
     # context must hold the prompt plus the whole multi-turn response.
-    response_tokens = cfg.search.max_response_tokens if cfg.search.enabled else r.max_new_tokens
-    response_tokens = r.max_episode_tokens if r.environment else response_tokens
+    response_tokens = cfg.response_limit
     kwargs: dict = dict(
         model=model_path,
         tokenizer=model_path,

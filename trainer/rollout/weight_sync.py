@@ -158,7 +158,7 @@ class WeightPush:
             WATCH.wait("actor update", list(after), actor.labels(), "the actor's update", fetch=False)
         if self.mode == "nccl":
             # Every actor rank enters collectives (FSDP's gathers, then the broadcast) as soon as its push
-            # starts, and an engine joins only after the batches started before it (policy_lag=k starts up to
+            # starts, and an engine joins only after the batches started before it (max_staleness=k starts up to
             # k before the update). A long generation would hold the ranks inside a collective past the NCCL
             # watchdog's timeout; so the push starts once those batches are done (their results wait in the
             # object store), which costs nothing: the engines could not load the weights any sooner.
