@@ -196,12 +196,12 @@ class RolloutConfig:
     """Multi-turn episodes against your environment class: `path/to/env.py:MyEnv` or `module:MyEnv` (reset(sample)
     -> first observation, step(action_text) -> StepResult; docs/agents.md). Empty = one turn per sample."""
     max_turns: int = 4
-    """With rollout.environment: model turns per episode at most (the last turn's observation is dropped)."""
+    """Multi-turn (rollout.environment or search.enabled): model turns per episode at most (the last turn's
+    observation is dropped; with search, the calls of the first max_turns - 1 turns are answered)."""
     max_episode_tokens: int = 256
-    """With rollout.environment: generated plus observation tokens per episode (rollout.max_new_tokens is per
-    turn)."""
+    """Multi-turn: generated plus observation tokens per episode (rollout.max_new_tokens is per turn)."""
     max_obs_tokens: int = 128
-    """With rollout.environment: tokens per observation; longer ones are cut."""
+    """Multi-turn: tokens per observation; longer ones are cut (with search, the passages, tags kept)."""
     episode_timeout_s: float = 60.0
     """With rollout.environment: wall time per episode; an environment call still running then ends its episode
     (counted in env/timeouts_per_sample), as one that raises does (env/env_errors_per_sample)."""
@@ -216,12 +216,6 @@ class SearchConfig:
     """Retriever each rollout worker queries (127.0.0.1: the one on its own node)."""
     topk: int = 3
     """Passages per search call."""
-    max_turns: int = 4
-    """Search calls answered per sample, invalid ones included (one last turn follows)."""
-    max_response_tokens: int = 256
-    """Whole response budget: generated plus observation tokens (rollout.max_new_tokens is per turn)."""
-    max_obs_tokens: int = 128
-    """Tokens per observation; longer passages are cut."""
     timeout_s: float = 10.0
     """Per-request timeout of the retrieval client."""
     retries: int = 2
@@ -255,7 +249,7 @@ class AlgorithmConfig:
     """Leave responses cut off at the length limit (finish_reason `length`) out of the loss (DAPO's overlong filtering)."""
     overlong_buffer: int = 0
     """DAPO's soft overlong penalty: a score penalty growing linearly over this many tokens before the
-    response length limit (rollout.max_new_tokens; search.max_response_tokens with search). 0 = off."""
+    response length limit (rollout.max_new_tokens; rollout.max_episode_tokens multi-turn). 0 = off."""
     overlong_penalty: float = 1.0
     """The overlong penalty at the length limit (it ramps from 0 to minus this)."""
     dynamic_sampling: bool = False
@@ -516,9 +510,9 @@ class Config:
     @property
     def response_limit_key(self) -> str:
         """The key that bounds a response's tokens (multi-turn: observations included)."""
-        if self.rollout.environment:
+        if self.rollout.environment or self.search.enabled:
             return "rollout.max_episode_tokens"
-        return "search.max_response_tokens" if self.search.enabled else "rollout.max_new_tokens"
+        return "rollout.max_new_tokens"
 
     @property
     def response_limit(self) -> int:

@@ -207,9 +207,6 @@ RANGES: dict[str, Range] = {
     "rollout.episode_timeout_s": POSITIVE,
     "rollout.weight_push_bucket_mb": POSITIVE,
     "search.topk": Range(1, 100),
-    "search.max_turns": NON_NEGATIVE,
-    "search.max_response_tokens": COUNT,
-    "search.max_obs_tokens": Range(32, hint="an observation needs room for its tags and some text"),
     "search.timeout_s": POSITIVE,
     "search.retries": NON_NEGATIVE,
     "algorithm.gamma": UNIT,
@@ -326,6 +323,11 @@ def validate(cfg: Any) -> None:
         raise ConfigError("search.enabled=true runs its turns in rollout workers: set placement.rollout_in_actor=false")
     if r.environment and cfg.search.enabled:
         raise ConfigError("rollout.environment and search.enabled are two multi-turn protocols: set one of them")
+    if cfg.search.enabled and r.max_obs_tokens < SEARCH_OBS_TOKENS:
+        raise ConfigError(
+            f"rollout.max_obs_tokens={r.max_obs_tokens} leaves a search observation no room for its tags and "
+            f"passages: set rollout.max_obs_tokens >= {SEARCH_OBS_TOKENS}"
+        )
     if r.environment and cfg.placement.rollout_in_actor:
         raise ConfigError(
             "rollout.environment runs its episodes in rollout workers: set placement.rollout_in_actor=false"
@@ -632,6 +634,9 @@ def tiny_model_lr_warning(cfg: Any) -> str:
         f"trains it at 2e-3 after a format warm-up): start your preset file with `base: local`, or set actor.lr"
     )
 
+
+SEARCH_OBS_TOKENS = 32
+"""The fewest tokens of a search observation: its <information> tags and some text."""
 
 GSPO_CLIP = 0.01
 """Above this clip range GSPO's sequence ratio (a geometric mean of token ratios) is almost never clipped."""

@@ -28,7 +28,7 @@ Trained roles (actor, critic), per GPU (TrainableWorker: fp32 master weights, co
   like the policy; under LoRA none (the adapters are switched off instead).
 - activations of one micro-batch of M tokens: M = `<role>.max_tokens_per_micro_batch` when set (at least one
   whole sequence), else micro_batch_size x (data.max_prompt_length + response budget), the response budget
-  being rollout.max_new_tokens (search.max_response_tokens, rollout.max_episode_tokens in multi-turn runs).
+  being rollout.max_new_tokens (rollout.max_episode_tokens in multi-turn runs).
   Padded rows are full width at the peak; `model.pack_sequences` lowers the mean, not this bound. Per token
   and layer d·(12·h + m·i) bytes, m = 4 for a gated MLP (gate, up, act(gate), their product), 2 otherwise:
   the tensors autograd keeps for a bf16 Qwen2/Llama block under sdpa (counted with saved-tensor hooks),

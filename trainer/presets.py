@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -248,12 +249,23 @@ DEPENDENT_DEFAULTS: dict[str, dict[Any, dict[str, Any]]] = {
 }
 
 
-# Older names of keys, accepted wherever a key is set (presets, overrides, the configs saved in checkpoints).
-ALIASES: dict[str, str] = {"rollout.policy_lag": "rollout.max_staleness"}
+# Keys under their older names, accepted wherever a key is set (presets, overrides, the configs saved in
+# checkpoints): older name -> (the key now, the value there from the older one's, if it differs).
+MOVED: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
+    "rollout.policy_lag": ("rollout.max_staleness", None),
+    # the search protocol's bounds are the multi-turn ones; search.max_turns counted the answered calls, and
+    # one last turn followed them
+    "search.max_turns": ("rollout.max_turns", lambda calls: calls + 1),
+    "search.max_response_tokens": ("rollout.max_episode_tokens", None),
+    "search.max_obs_tokens": ("rollout.max_obs_tokens", None),
+}
 
 
 def set_key(cfg: Any, key: str, value: Any, source: str, explicit: bool = True) -> None:
-    key = ALIASES.get(key, key)
+    if key in MOVED:
+        key, convert = MOVED[key]
+        if convert is not None:
+            value = convert(coerce(key, value, key_type(cfg, key)))
     try:
         owner, f = _resolve(cfg, key)
     except KeyError:

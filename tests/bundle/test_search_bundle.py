@@ -122,7 +122,7 @@ ray.init()
 def search_here(count):
     from cloudrl.trainer.config import load_config
     from cloudrl.trainer.inputs.demo import build_char_tokenizer
-    from cloudrl.trainer.rollout.multiturn import TurnLoop, TurnSettings
+    from cloudrl.trainer.rollout.multiturn import TurnLoop, search_limits
     from cloudrl.trainer.search.retrieval import RetrievalClient
     from cloudrl.trainer.rollout.engines import Completion
 
@@ -131,8 +131,9 @@ def search_here(count):
         texts = ["<search>river</search>" if "<information>" not in tok.decode(c) else "<answer>a</answer>"
                  for c in contexts for _ in range(settings.n)]
         return [Completion(tok.encode(t, add_special_tokens=False), [0.0] * len(t), "stop") for t in texts]
-    search = load_config("local").search
-    loop = TurnLoop(policy, tok, RetrievalClient.from_config(search).passages, TurnSettings.from_config(search))
+    cfg = load_config("local")
+    search = cfg.search
+    loop = TurnLoop(policy, tok, RetrievalClient.from_config(search).passages, search_limits(cfg.rollout))
     out = loop.run([tok.encode("q" + str(i), add_special_tokens=False) for i in range(count)], settings_cls())
     return ray.util.get_node_ip_address(), search.url, [tok.decode(c.token_ids) for c in out]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import typing
 from pathlib import Path
 
@@ -150,6 +151,13 @@ def test_the_older_name_of_max_staleness_sets_it_in_overrides_presets_and_saved_
     assert config_from_dict(saved).rollout.max_staleness == 3
     with pytest.raises(ConfigError, match="rollout.max_staleness"):  # checked under its name either way
         load_config("local", ["rollout.policy_lag=9"])
+
+
+def test_the_search_bounds_under_their_older_names_set_the_multi_turn_ones() -> None:
+    """search.max_turns counted the answered calls, one last turn after them: rollout.max_turns counts turns."""
+    cfg = load_config("local", ["search.max_turns=3", "search.max_response_tokens=300", "search.max_obs_tokens=40"])
+    assert (cfg.rollout.max_turns, cfg.rollout.max_episode_tokens, cfg.rollout.max_obs_tokens) == (4, 300, 40)
+    assert not any(f.name.startswith("max_") for f in dataclasses.fields(cfg.search))  # one set of bounds
 
 
 # ----------------------------------------------------------------------------------------------

@@ -59,8 +59,8 @@ def test_a_saved_config_comes_back_as_saved() -> None:
         (["actor.policy_loss=cispo", "actor.dual_clip=3"], ["actor.dual_clip", "actor.policy_loss=cispo"]),
         (["algorithm.overlong_buffer=5"], ["algorithm.overlong_buffer=5", "rollout.max_new_tokens=4"]),
         (
-            ["search.enabled=true", "search.max_response_tokens=8", "algorithm.overlong_buffer=9"],
-            ["search.max_response_tokens=8"],
+            ["search.enabled=true", "rollout.max_episode_tokens=8", "algorithm.overlong_buffer=9"],
+            ["rollout.max_episode_tokens=8"],
         ),
         (["algorithm.overlong_buffer=2", "algorithm.overlong_penalty=0"], ["algorithm.overlong_penalty > 0"]),
         (["algorithm.overlong_buffer=-1"], ["algorithm.overlong_buffer must be >= 0"]),

@@ -312,7 +312,7 @@ def test_the_context_holds_a_whole_multi_turn_response():
         "rollout.max_new_tokens=24",
         "search.enabled=true",
         "search.url=http://127.0.0.1:8000/retrieve",
-        "search.max_response_tokens=112",
+        "rollout.max_episode_tokens=112",
     )
     assert vllm_engine.engine_args(plain, "/m", on_gpu=False, environ={})[0]["max_model_len"] == 64 + 24
     assert vllm_engine.engine_args(search, "/m", on_gpu=False, environ={})[0]["max_model_len"] == 64 + 112

@@ -44,14 +44,14 @@ def test_answer_em_reads_the_last_answer_and_normalises():
 def test_search_r1_preset_matches_the_guide():
     cfg = load_config("search-r1")
     assert cfg.search.enabled and cfg.search.url == "http://127.0.0.1:8000/retrieve"
-    assert (cfg.search.max_turns, cfg.search.topk, cfg.algorithm.kl_coef) == (4, 3, 0.001)
+    assert (cfg.rollout.max_turns - 1, cfg.search.topk, cfg.algorithm.kl_coef) == (4, 3, 0.001)  # 4 searches answered
     assert cfg.algorithm.name == "ppo" and cfg.reward.function == "answer_em"
 
 
 @pytest.mark.parametrize(
     "override, words",
     [
-        ("search.max_obs_tokens=8", "search.max_obs_tokens"),
+        ("rollout.max_obs_tokens=8", "rollout.max_obs_tokens=8 leaves a search observation no room"),
         ("search.topk=0", "search.topk"),
         ("placement.rollout_in_actor=true", "search.enabled=true runs its turns in rollout workers"),
     ],

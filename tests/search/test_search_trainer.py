@@ -26,7 +26,7 @@ def test_ppo_steps_with_search_rollouts(ray_local, tmp_path):
                     **{
                         "search.enabled": "true",
                         "search.url": url,
-                        "search.max_response_tokens": 64,
+                        "rollout.max_episode_tokens": 64,
                         "rollout.max_new_tokens": 8,
                         "trainer.export_hf": "false",
                     },

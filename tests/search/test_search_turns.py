@@ -13,12 +13,13 @@ from cloudrl.trainer.algo.batch import build_batch
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.inputs.demo import build_char_tokenizer
 from cloudrl.trainer.rollout.engines import Completion, Completions, SamplingSettings
+from cloudrl.trainer.rollout.environment import EpisodeLimits
 from cloudrl.trainer.rollout.multiturn import (
     INFO_CLOSE,
     INFO_OPEN,
     INVALID_CALL,
+    SEARCH_EPISODE_S,
     TurnLoop,
-    TurnSettings,
     format_passages,
     search_call,
     turn_metrics,
@@ -72,19 +73,19 @@ class FakeRetriever:
         return [[f"{p} ({q})" for p in self.passages] for q in queries]
 
 
-TURNS = TurnSettings(max_turns=4, max_response_tokens=400, max_obs_tokens=128)
+LIMITS = EpisodeLimits(5, 400, 128, SEARCH_EPISODE_S)
 
 
 def _run(
     tok,
     scripts,
-    turn=TURNS,
+    limits=LIMITS,
     n=1,
     max_new_tokens=64,
     retriever=None,
 ):
     policy, retriever = ScriptedPolicy(tok, scripts), retriever or FakeRetriever()
-    loop = TurnLoop(policy.generate, tok, retriever, turn)
+    loop = TurnLoop(policy.generate, tok, retriever, limits)
     prompts = [tok.encode(p, add_special_tokens=False) for p in scripts]
     out = loop.run(prompts, SamplingSettings(n=n, max_new_tokens=max_new_tokens))
     return out, policy, retriever, loop
@@ -135,7 +136,7 @@ def test_max_turns_leaves_the_last_call_unanswered(tok):
     out, policy, retriever, _ = _run(
         tok,
         {"L|": ["<search>again</search>"] * 10},
-        turn=TurnSettings(max_turns=2, max_response_tokens=1000, max_obs_tokens=64),
+        limits=EpisodeLimits(3, 1000, 64, SEARCH_EPISODE_S),
     )
     (c,) = out
     assert c.turns["searches"] == 2 and c.turns["turns"] == 3
@@ -149,7 +150,7 @@ def test_length_budget_is_never_exceeded(tok):
     out, policy, _, _ = _run(
         tok,
         {"L|": ["<search>q</search>", "x" * 200]},
-        turn=TurnSettings(max_turns=4, max_response_tokens=budget, max_obs_tokens=40),
+        limits=EpisodeLimits(5, budget, 40, SEARCH_EPISODE_S),
     )
     (c,) = out
     assert len(c.token_ids) == budget and c.finish_reason == "length"
@@ -159,7 +160,7 @@ def test_length_budget_is_never_exceeded(tok):
     out, _, retriever, _ = _run(
         tok,
         {"S|": ["<search>q</search>", "<answer>a</answer>"]},
-        turn=TurnSettings(max_turns=4, max_response_tokens=40, max_obs_tokens=32),
+        limits=EpisodeLimits(5, 40, 32, SEARCH_EPISODE_S),
     )
     (c,) = out
     assert _text(tok, c.token_ids) == "<search>q</search>" and c.finish_reason == "length"
@@ -187,7 +188,7 @@ def test_observation_cut_to_max_obs_tokens(tok):
     out, _, _, loop = _run(
         tok,
         {"C|": ["<search>q</search>", "<answer>a</answer>"]},
-        turn=TurnSettings(max_turns=1, max_response_tokens=400, max_obs_tokens=50),
+        limits=EpisodeLimits(2, 400, 50, SEARCH_EPISODE_S),
         retriever=FakeRetriever(["long " * 100]),
     )
     (c,) = out

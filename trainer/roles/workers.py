@@ -551,7 +551,7 @@ class RolloutWorker(WorkerBase):
     def turn_loop(self):
         if getattr(self, "_turn_loop", None) is None:
             from ..inputs.models import load_tokenizer
-            from ..rollout.multiturn import TurnLoop, TurnSettings
+            from ..rollout.multiturn import TurnLoop, search_limits
             from ..search.retrieval import RetrievalClient
 
             cfg = self.cfg
@@ -559,7 +559,7 @@ class RolloutWorker(WorkerBase):
                 self.model_path, cfg.model.trust_remote_code
             )
             client = RetrievalClient.from_config(cfg.search)
-            self._turn_loop = TurnLoop(self.engine.generate, tok, client.passages, TurnSettings.from_config(cfg.search))
+            self._turn_loop = TurnLoop(self.engine.generate, tok, client.passages, search_limits(cfg.rollout))
         return self._turn_loop
 
     def generate_in_segments(self, prompts: list[list[int]], settings, board) -> list:

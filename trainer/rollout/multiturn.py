@@ -3,10 +3,10 @@
 The policy writes `<search>query</search>` to call the retriever and `<answer>...</answer>` to finish.
 Each turn generates until one of those closing tags, the end-of-sequence token or the turn's token
 budget. After a search call the retriever's passages are appended as an observation,
-`<information>...</information>`, and the sample goes on from there; after `max_turns` observations a
-sample gets one last turn, whose search call is not answered. The whole response (generated and
-observation tokens) stays within `max_response_tokens`: an observation that would not leave room for
-at least one more generated token ends the sample instead (finish reason `length`).
+`<information>...</information>`, and the sample goes on from there; its last turn (`rollout.max_turns`)
+gets no answer. The whole response (generated and observation tokens) stays within
+`rollout.max_episode_tokens`: an observation that would not leave room for at least one more generated
+token ends the sample instead (finish reason `length`).
 
 A search call whose query is empty, too long, or has no opening `<search>` is invalid: it is counted
 and answered with a short error observation, so the policy can try again within its budget.
@@ -23,7 +23,6 @@ its counts. `turn_metrics` averages those counts over a step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from .engines import Completion, SamplingSettings
 from .environment import EpisodeLimits, EpisodeLoop, StepResult, episode_metrics
@@ -40,21 +39,11 @@ Search = Callable[[list[str]], list[list[str]]]
 """queries -> for each query, its passages' texts (best first)."""
 
 
-@dataclass
-class TurnSettings:
-    """A search episode's bounds: search.max_turns, max_response_tokens and max_obs_tokens (`from_config`),
-    which hold their defaults."""
-
-    max_turns: int
-    """Observations per sample at most (a last turn follows the last one)."""
-    max_response_tokens: int
-    """Generated plus observation tokens per sample."""
-    max_obs_tokens: int
-    """Tokens per observation, tags included; longer passages are cut."""
-
-    @classmethod
-    def from_config(cls, search_cfg) -> TurnSettings:
-        return cls(search_cfg.max_turns, search_cfg.max_response_tokens, search_cfg.max_obs_tokens)
+def search_limits(rollout_cfg) -> EpisodeLimits:
+    """A search episode's bounds: rollout.max_turns, max_episode_tokens and max_obs_tokens, which every
+    multi-turn protocol shares, and no wall-time bound of its own."""
+    r = rollout_cfg
+    return EpisodeLimits(r.max_turns, r.max_episode_tokens, r.max_obs_tokens, SEARCH_EPISODE_S)
 
 
 def search_call(text: str) -> str | None:
@@ -83,8 +72,8 @@ class SearchEnvironment:
     counts = ("searches", "invalid_calls")
     errors_are_fatal = True  # the retriever is the run's: its failure (after its retries) stops the run
 
-    def __init__(self, tokenizer, search: Search, turn: TurnSettings):
-        self.tokenizer, self.search, self.turn = tokenizer, search, turn
+    def __init__(self, tokenizer, search: Search, limits: EpisodeLimits):
+        self.tokenizer, self.search, self.limits = tokenizer, search, limits
         self._open = self._encode(INFO_OPEN)
         self._close = self._encode(INFO_CLOSE)
         self.calls = 0
@@ -94,7 +83,7 @@ class SearchEnvironment:
 
     def observation(self, body: str) -> list[int]:
         """`body` between the information tags, cut to max_obs_tokens with the tags kept."""
-        room = max(self.turn.max_obs_tokens - len(self._open) - len(self._close), 0)
+        room = max(self.limits.max_obs_tokens - len(self._open) - len(self._close), 0)
         return self._open + self._encode(body)[:room] + self._close
 
     def reset(self, sample: dict) -> str:
@@ -110,7 +99,7 @@ class SearchEnvironment:
         results: list[StepResult] = []
         queries: list[tuple[int, str]] = []
         for k, (env, text) in enumerate(zip(envs, actions)):
-            if ANSWER_CLOSE in text or SEARCH_CLOSE not in text or env.calls >= env.turn.max_turns:
+            if ANSWER_CLOSE in text or SEARCH_CLOSE not in text or env.calls >= env.limits.max_turns - 1:
                 # an answer, a turn without a call, or the last turn, whose call goes unanswered
                 results.append(StepResult(done=True))
                 continue
@@ -137,12 +126,9 @@ class TurnLoop:
         generate: Callable[[list[list[int]], SamplingSettings], list[Completion]],
         tokenizer,
         search: Search,
-        turn: TurnSettings,
+        limits: EpisodeLimits,
     ):
-        self.turn = turn
-        # max_turns observations, then one last turn; the retriever's client bounds its own waits
-        limits = EpisodeLimits(turn.max_turns + 1, turn.max_response_tokens, turn.max_obs_tokens, SEARCH_EPISODE_S)
-        make = lambda: SearchEnvironment(tokenizer, search, turn)  # noqa: E731
+        make = lambda: SearchEnvironment(tokenizer, search, limits)  # noqa: E731
         self.loop = EpisodeLoop(generate, tokenizer, make, limits, env_class=SearchEnvironment)
 
     def run(self, prompts: list[list[int]], settings: SamplingSettings) -> list[Completion]:

@@ -166,9 +166,9 @@ def rl_overrides(prompts: Path, val: Path, url: str, model: str) -> list[str]:
         "search.enabled=true",
         f"search.url={url}",
         "search.topk=1",
-        "search.max_turns=1",
-        "search.max_response_tokens=112",
-        "search.max_obs_tokens=64",  # a whole search and answer is ~92
+        "rollout.max_turns=2",  # a search, then the answer
+        "rollout.max_episode_tokens=112",
+        "rollout.max_obs_tokens=64",  # a whole search and answer is ~92
         "actor.lr=2e-4",
         "critic.lr=1e-3",  # 10x below the arithmetic preset's: responses are ~20x longer
     ]
