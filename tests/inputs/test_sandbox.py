@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from cloudrl.trainer.inputs import sandbox
-from cloudrl.trainer.inputs.rewards import code_tests
+from cloudrl.trainer.inputs.code_tests import code_tests
 from cloudrl.trainer.inputs.sandbox import Limits, run_many, run_python
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
@@ -399,7 +399,7 @@ def test_as_a_non_root_user_the_code_keeps_no_capability_and_cannot_remount(tmp_
         # the code from opening it through /proc/1/fd.
         forge = "```python\nimport os\nos.write(os.open('/proc/1/fd/1', os.O_WRONLY), b'pass 0\\n')\n```"
         script = (
-            "from cloudrl.trainer.inputs.rewards import code_tests\nprint(code_tests([sys.stdin.read()], [['1/0']]))"
+            "from cloudrl.trainer.inputs.code_tests import code_tests\nprint(code_tests([sys.stdin.read()], [['1/0']]))"
         )
         assert as_nobody(script, forge).strip() == "[0.0]"
     finally:
