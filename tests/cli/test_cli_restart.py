@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from cli_helpers import CLOUDRL, cli_env, free_port, local_state, pids_alive, process_tree, run_cli, stop_on_exit
 
 pytestmark = pytest.mark.ray
+WAITING = "waiting up to 240 s for the cluster to answer again"
 
 
 def _up(env: dict, port: int) -> list[int]:
@@ -61,11 +63,18 @@ def test_follow_resubmits_after_the_cluster_restarts(tmp_path: Path) -> None:
             down = run_cli(["local", "down"], env, timeout=120)
             assert down.returncode == 0, down.stdout + down.stderr
             saved = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
-            time.sleep(8)  # the follower notices and starts waiting
+            lines = []  # the follower's output as it comes: it must be waiting before the cluster is back
+            reader = threading.Thread(target=lambda: lines.extend(follow.stdout), daemon=True)
+            reader.start()
+            deadline = time.monotonic() + 120
+            while not any(WAITING in line for line in lines):
+                assert follow.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+                time.sleep(0.2)
             started += _up(env, port)
-            out, _ = follow.communicate(timeout=400)
+            follow.wait(timeout=400)
+            reader.join(timeout=30)
+            out = "".join(lines)
         assert follow.returncode == 0, out[-3000:]
-        assert "waiting up to 240 s for the cluster to answer again" in out
         assert "submitted it again as restarted-r1" in out
         assert out.rstrip().endswith("job restarted-r1 SUCCEEDED")
         summary = json.loads((run_dir / "summary.json").read_text())
