@@ -262,10 +262,14 @@ MOVED: dict[str, tuple[str, Callable[[Any], Any] | None]] = {
 
 
 def set_key(cfg: Any, key: str, value: Any, source: str, explicit: bool = True) -> None:
-    if key in MOVED:
-        key, convert = MOVED[key]
+    if key in MOVED:  # checked under its name now, and an error names the one the user wrote too
+        old, (key, convert) = key, MOVED[key]
+        try:
+            value = coerce(key, value, key_type(cfg, key))
+        except ConfigError as exc:
+            raise ConfigError(f"{old} is now {key}: {exc}") from None
         if convert is not None:
-            value = convert(coerce(key, value, key_type(cfg, key)))
+            value = convert(value)
     try:
         owner, f = _resolve(cfg, key)
     except KeyError:

@@ -158,6 +158,10 @@ def test_the_search_bounds_under_their_older_names_set_the_multi_turn_ones() -> 
     cfg = load_config("local", ["search.max_turns=3", "search.max_response_tokens=300", "search.max_obs_tokens=40"])
     assert (cfg.rollout.max_turns, cfg.rollout.max_episode_tokens, cfg.rollout.max_obs_tokens) == (4, 300, 40)
     assert not any(f.name.startswith("max_") for f in dataclasses.fields(cfg.search))  # one set of bounds
+    with pytest.raises(
+        ConfigError, match=r"^search.max_turns is now rollout.max_turns: rollout.max_turns must be an integer"
+    ):
+        load_config("local", ["search.max_turns=abc"])
 
 
 # ----------------------------------------------------------------------------------------------

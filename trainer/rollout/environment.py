@@ -82,7 +82,8 @@ class Environment(Protocol):
 @dataclass
 class EpisodeLimits:
     """An episode's bounds: rollout.max_turns, max_episode_tokens, max_obs_tokens and episode_timeout_s
-    (`from_config`), which hold their defaults and meanings; the search task's come from search.*."""
+    (`from_config`), which hold their defaults and meanings; the search protocol takes the same keys, with no
+    wall-time bound of its own (multiturn.search_limits)."""
 
     max_turns: int
     """Model turns per episode at most."""
