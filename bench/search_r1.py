@@ -5,7 +5,7 @@ short PPO run (docs/search-r1.md has the measured table).
     python bench/search_r1.py --steps 20 actor.lr=1e-4   # key=value: more config overrides
     python bench/search_r1.py --out /tmp/demo            # where it writes (default runs/search-r1-demo)
 
-It writes the task (trainer/search/task.py: 2,000 made-up names with one-digit codes to train on, 128
+It writes the task (trainer/agents/search_task.py: 2,000 made-up names with one-digit codes to train on, 128
 held-out ones to validate on, a corpus of all the facts), indexes the corpus with BM25, serves it on
 127.0.0.1 (trainer/search/retriever_server.py), and warms the tiny model up on other made-up names: the
 format, copying the name into the query, reading the code out of the observation, and searching in
@@ -90,10 +90,10 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     """Run the demo; returns the files and directories its summary names (all under --out)."""
     args = parse_args(argv)
 
+    from cloudrl.trainer.agents.search_task import make_facts, rl_overrides, warm_up_model, warm_up_report, write_task
     from cloudrl.trainer.config import load_config
     from cloudrl.trainer.driver import train
     from cloudrl.trainer.search.retriever_server import RetrieverServer, build_index, load_index
-    from cloudrl.trainer.search.task import make_facts, rl_overrides, warm_up_model, warm_up_report, write_task
 
     out = fresh_out(args.out)
     say(f"writing the task to {out / 'task'}: {args.size} training facts, {args.val_size} held-out ones")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .urls import token_problem
 
 
 def choice_error(key: str, value: Any, choices: tuple[str, ...]) -> ConfigError:
@@ -354,8 +355,6 @@ def _check_reward_url(cfg: Any) -> None:
     """The reward.url keys: an http(s) address, a variable's name (never a token, never an infrastructure
     secret's), a token only over https:// or to loopback (unless url_insecure_http), time left to retry
     (the numeric ranges are in RANGES)."""
-    from .inputs.remote_reward import token_problem
-
     rw = cfg.reward
     if not rw.url.startswith(("http://", "https://")):
         raise ConfigError(

@@ -24,6 +24,7 @@ import time
 
 from .errors import NodePreempted, RecoveryFailed, Stopped, WorkerHung, first_line
 from .state import layout, timeline
+from .state.resume import open_resume
 
 # A collective whose peer process died: gloo and NCCL report it in these words.
 PEER_GONE = (
@@ -391,7 +392,6 @@ def run_with_restarts(cfg, requests, inputs, launch, run) -> dict:
     Each restart has trainer.restart_wait_s from the loss to get the roles placed again; past it the run
     ends with one line naming the lost node, what it held and the ways on."""
     from .hangs import WATCH
-    from .inputs.prepare import open_resume
 
     restarts = 0
     loss: Loss | None = None

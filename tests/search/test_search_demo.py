@@ -57,7 +57,7 @@ def test_the_demo_says_what_it_does_and_its_summary_names_paths_that_exist(tmp_p
 
 
 def test_the_warm_up_reports_every_step(tmp_path):
-    from cloudrl.trainer.search.task import warm_up_model
+    from cloudrl.trainer.agents.search_task import warm_up_model
 
     seen = []
     warm_up_model(tmp_path / "m", steps=3, batch_size=2, progress=lambda step, loss: seen.append((step, loss)))

@@ -7,10 +7,7 @@ import json
 import random
 
 import pytest
-from cloudrl.trainer.config import load_config
-from cloudrl.trainer.errors import ConfigError
-from cloudrl.trainer.inputs.rewards import answer_em, resolve_reward_fn
-from cloudrl.trainer.search.task import (
+from cloudrl.trainer.agents.search_task import (
     _example,
     fact_text,
     make_facts,
@@ -19,6 +16,9 @@ from cloudrl.trainer.search.task import (
     warm_up_rows,
     write_task,
 )
+from cloudrl.trainer.config import load_config
+from cloudrl.trainer.errors import ConfigError
+from cloudrl.trainer.inputs.rewards import answer_em, resolve_reward_fn
 from runs import serving_retriever, step_metrics, tiny_overrides
 
 

@@ -119,15 +119,15 @@ def test_resume_auto_refuses_a_checkpoint_of_another_preset(tmp_path):
 
 
 def test_a_finished_run_is_not_resumed_into_nothing(tmp_path):
-    """prepare() refuses before record_start rewrites the run's config.yaml."""
-    from cloudrl.trainer.inputs.prepare import prepare
+    """The resume point is refused before record_start rewrites the run's config.yaml."""
+    from cloudrl.trainer.state.resume import decide_resume
 
     overrides = [f"trainer.run_dir={tmp_path}", "algorithm.name=grpo", "model.sft_warmup_steps=0"]
     cfg = load_config("local", [*overrides, "trainer.total_steps=4"])
     path = checkpoint.save(str(tmp_path), 4, {}, {"step": 4}, cfg.to_yaml(), keep_last=2)
     (tmp_path / "config.yaml").write_text("the finished run's config\n")
     with pytest.raises(CheckpointError) as err:
-        prepare(cfg)
+        decide_resume(cfg)
     assert str(err.value) == (
         f"checkpoint {path} is at step 4 and trainer.total_steps=4: that run is finished: raise "
         f"trainer.total_steps to train it further, or pick a new trainer.run_dir for a new run"

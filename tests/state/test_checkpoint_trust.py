@@ -181,9 +181,9 @@ def test_a_checkpoint_without_hashes_is_refused_naming_the_fix(tmp_path):
     _refused(path, "has no manifest.json", marker)
 
 
-def test_resume_through_prepare_refuses_a_planted_checkpoint_in_one_line(tmp_path):
-    """The path a run takes (inputs/prepare.py): resume=auto finds the planted checkpoint and stops."""
-    from cloudrl.trainer.inputs.prepare import prepare
+def test_the_resume_point_refuses_a_planted_checkpoint_in_one_line(tmp_path):
+    """The path a run takes (state/resume.py): resume=auto finds the planted checkpoint and stops."""
+    from cloudrl.trainer.state.resume import decide_resume, place_run_dir
 
     run_dir = tmp_path / "run"
     path = _save(run_dir)
@@ -197,8 +197,9 @@ def test_resume_through_prepare_refuses_a_planted_checkpoint_in_one_line(tmp_pat
         "model.sft_warmup_steps=0",
     ]
     cfg = load_config("local", overrides)
+    place_run_dir(cfg)
     with pytest.raises(CheckpointError, match=f"cannot read checkpoint file {path}/actor/.metadata"):
-        prepare(cfg)
+        decide_resume(cfg)
     assert not marker.exists()
 
 
@@ -252,8 +253,8 @@ def test_the_signing_key_is_read_by_name_and_never_shown(monkeypatch):
 
 
 def test_a_run_with_a_key_resumes_only_from_its_signed_checkpoint(tmp_path, monkeypatch):
-    """The path a run takes (inputs/prepare.py), with the key named in the config."""
-    from cloudrl.trainer.inputs.prepare import decide_resume
+    """The path a run takes (state/resume.py), with the key named in the config."""
+    from cloudrl.trainer.state.resume import decide_resume
 
     run_dir = tmp_path / "run"
     path = _save(run_dir)  # saved before the key was turned on
@@ -265,4 +266,4 @@ def test_a_run_with_a_key_resumes_only_from_its_signed_checkpoint(tmp_path, monk
     signed = _save(tmp_path / "signed", key=b"b" * 64)
     overrides = [f"trainer.run_dir={tmp_path / 'next'}", "algorithm.name=grpo", "trainer.total_steps=5"]
     cfg = load_config("local", [*overrides, "trainer.checkpoint_key_env=CKPT_KEY", f"trainer.resume={signed}"])
-    assert decide_resume(cfg).checkpoint.path == signed
+    assert decide_resume(cfg).path == signed

@@ -1,8 +1,8 @@
 """The checks the job runs before anything else, with no cluster and nothing big loaded, so that a typo fails
 in well under a second: the user's code the config names (imported as the job imports it), the model
-directories or a hub that serves them, the prompt files and their prompt column, and a run_dir that is not
-empty and takes checkpoints. The resume point comes next (prepare.py `decide_resume`). `cloudrl submit` runs
-`check_user_code` on the files it ships; torch is not imported here."""
+directories or a hub that serves them, the prompt files and their prompt column. run_dir and the resume
+point come next (state/resume.py). `cloudrl submit` runs `check_user_code` on the files it ships; torch is
+not imported here."""
 
 from __future__ import annotations
 
@@ -16,11 +16,8 @@ def check_inputs(cfg: Config) -> None:
     """The input checks that need no cluster and load nothing big, each one line naming the key and the
     fix: the reward function and the environment (`check_user_code`), every model setting (a directory
     that exists, or a hub id the hub can serve), every prompt file and local dataset (and the hub for hub
-    datasets; a file's prompt column), and a training run's run_dir (placed under $CLOUDRL_RUNS_DIR when
-    relative; not empty, and checkpoints can be written there: nothing is created)."""
-    from ..state.checkpoint import signing_key
-    from ..state.run_dir import check_run_dir, under_runs_dir
-    from .models import check_model_path
+    datasets; a file's prompt column)."""
+    from .models import check_model_path  # models.py imports torch; `cloudrl submit` imports this module
 
     check_user_code(cfg)
     check_model_path("model.path", cfg.model.path)
@@ -32,10 +29,6 @@ def check_inputs(cfg: Config) -> None:
     check_prompt_files(cfg.data.val_files, "data.val_files", cfg.data)
     for name, files in cfg.data.val_sets.items():
         check_prompt_files(files, f"data.val_sets.{name}", cfg.data)
-    cfg.trainer.run_dir = under_runs_dir(cfg.trainer.run_dir)
-    if not cfg.trainer.eval_only:  # scoring a model writes only run_dir/eval.json
-        check_run_dir(cfg.trainer.run_dir)
-    signing_key(cfg.trainer.checkpoint_key_env)  # set and long enough, when named
 
 
 def check_user_code(cfg: Config) -> None:

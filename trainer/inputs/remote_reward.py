@@ -17,8 +17,8 @@ type, never its body.
 
 With `reward.url_token_env=NAME` the value of the environment variable NAME goes out as
 `Authorization: Bearer ...`, only over https:// or to a loopback host unless `reward.url_insecure_http`
-says otherwise (`token_problem`, which config_checks applies too); NAME may not be one of the
-infrastructure's own secrets (`infrastructure_secret`). The value is never printed, and no proxy reads
+says otherwise (urls.py `token_problem`, which config_checks applies too); NAME may not be one of the
+infrastructure's own secrets. The value is never printed, and no proxy reads
 it (with a token, the environment's proxies serve https:// only, through a tunnel).
 `python -m cloudrl.trainer.inputs.reward_server` serves a reward function or a local
 sequence-classification model this way.
@@ -40,46 +40,18 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import RewardError
-from ..urls import is_loopback
+from ..urls import shown_url, token_problem
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _MAX_BACKOFF_S = 8.0
 MAX_ANSWER_BYTES = 64 << 20
 """The most bytes read of any one answer, whatever the batch (see `answer_limit`)."""
-INFRASTRUCTURE_SECRETS = frozenset({"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "GOOGLE_APPLICATION_CREDENTIALS"})
-INFRASTRUCTURE_PREFIXES = ("RAY_", "AWS_", "GOOGLE_", "GCLOUD_", "AZURE_", "DSTACK_", "HF_", "HUGGING_FACE_", "WANDB_")
-"""Environment variables the cluster, the storage and the hub credentials live in: never a scorer's token."""
 
 
 def answer_limit(items: int) -> int:
     """The most bytes read of the answer to a request of `items` items: 1 MiB plus 4 KiB an item (room
     for a scorer's extra fields), at most MAX_ANSWER_BYTES."""
     return min(MAX_ANSWER_BYTES, (1 << 20) + 4096 * items)
-
-
-def infrastructure_secret(name: str) -> bool:
-    """Whether the environment variable `name` holds one of the infrastructure's own credentials (the Ray
-    cluster's token, cloud and storage keys, the hub's and the metrics service's tokens)."""
-    upper = name.upper()
-    return upper in INFRASTRUCTURE_SECRETS or upper.startswith(INFRASTRUCTURE_PREFIXES)
-
-
-def token_problem(url: str, token_env: str, insecure_http: bool = False) -> str:
-    """Why the token named by `token_env` may not go to `url` ("" when it may): one line with the fix."""
-    if not token_env:
-        return ""
-    if infrastructure_secret(token_env):
-        return (
-            f"reward.url_token_env={token_env} names one of the infrastructure's own secrets, which would go to "
-            f"the scorer: export the scorer's token under a name of its own (e.g. RM_TOKEN) and give that name"
-        )
-    if url.lower().startswith("http://") and not is_loopback(url) and not insecure_http:
-        return (
-            f"reward.url={_shown(url)} is plain http:// to another host, which would carry the "
-            f"reward.url_token_env={token_env} token readable by anyone on the way: use an https:// address, "
-            f"a loopback one (e.g. an SSH tunnel to 127.0.0.1), or set reward.url_insecure_http=true"
-        )
-    return ""
 
 
 class RemoteReward:
@@ -99,7 +71,7 @@ class RemoteReward:
         self.url, self.timeout_s, self.retries = url, timeout_s, retries
         self.max_concurrency, self.batch_size, self.token_env = max_concurrency, batch_size, token_env
         self.insecure_http = insecure_http
-        self.shown = _shown(url)
+        self.shown = shown_url(url)
 
     @classmethod
     def from_config(cls, reward) -> RemoteReward:
@@ -354,13 +326,3 @@ def _status_fix(code: int) -> str:
     if code == 404:
         return "no scorer at that path: check reward.url (the reference server serves /score)"
     return 'fix the scorer or the request it expects ({"items": [{prompt, response, ground_truth}]})'
-
-
-def _shown(url: str) -> str:
-    """The URL for messages, without any user:password@ part."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))

@@ -1,6 +1,6 @@
 """The roles on the cluster: one Ray placement group per role request, one ActorGroup per role.
 
-The driver calls `launch_roles(cfg, requests, model_path, critic_path)` once, with the plan it made and
+The job calls `launch_roles(cfg, requests, model_path, critic_path, reward_model_path)` once, with the plan it made and
 checked against the cluster (`placement.plan`, `cluster.preflight`). It creates each placement group with a timeout,
 starts the hosts' workers (one whole GPU per data-parallel rank), then the colocated roles' workers on
 their hosts' GPUs (`placement.guest_slots`), and finally lets the trained roles join their process
@@ -238,20 +238,24 @@ def placement_nodes(pgs) -> list[str]:
 
 
 def launch_roles(
-    cfg, requests: list[RoleRequest], model_path: str, critic_path: str, classes: dict | None = None
+    cfg,
+    requests: list[RoleRequest],
+    model_path: str,
+    critic_path: str,
+    reward_model_path: str = "",
+    classes: dict | None = None,
 ) -> Roles:
     """Create the placement groups of `requests` (`placement.plan`, checked against the cluster by
-    `cluster.preflight`) and start every role's workers.
+    `cluster.preflight`) and start every role's workers on the models at those paths (resolved by
+    inputs/prepare.py; "": no reward model).
 
     `classes` maps role names to worker classes (tests pass light probes to check placement alone)."""
-    from ..inputs.models import resolve_path
     from .staging import stage_models
     from .versions import check_one_stack
 
     classes = {**WORKER_CLASSES, **(classes or {})}
     cfg_dict = cfg.to_dict()
     timeout = cfg.trainer.worker_timeout_s
-    reward_model_path = resolve_path(cfg.reward.model_path, cfg) if cfg.reward.model_path else None
     pgs: dict[str, object] = {}
     groups: dict[str, ActorGroup] = {}
     args: dict[str, tuple] = {}
