@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     from cloudrl.trainer.agents.search_task import make_facts, rl_overrides, warm_up_model, warm_up_report, write_task
     from cloudrl.trainer.config import load_config
     from cloudrl.trainer.driver import train
+    from cloudrl.trainer.inputs.demo import WarmUp
     from cloudrl.trainer.search.retriever_server import RetrieverServer, build_index, load_index
 
     out = fresh_out(args.out)
@@ -107,13 +108,9 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     try:
         say(f"retriever on {url}; warming the tiny model up on other names: {args.warmup_steps} steps")
         t0 = time.perf_counter()
+        schedule = WarmUp(steps=args.warmup_steps, share=args.search_share, seed=args.seed)
         model = warm_up_model(
-            out / "model",
-            {name for name, _ in facts},
-            steps=args.warmup_steps,
-            search_share=args.search_share,
-            seed=args.seed,
-            progress=warm_up_progress(args.warmup_steps),
+            out / "model", {name for name, _ in facts}, schedule, progress=warm_up_progress(args.warmup_steps)
         )
         warmup_s = time.perf_counter() - t0
         say(f"measuring the warmed-up model on the {args.val_size} held-out names")

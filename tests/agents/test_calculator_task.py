@@ -22,7 +22,7 @@ from cloudrl.trainer.agents.calculator import (
     write_task,
 )
 from cloudrl.trainer.config import load_config
-from cloudrl.trainer.inputs.demo import build_char_tokenizer
+from cloudrl.trainer.inputs.demo import WarmUp, build_char_tokenizer
 from cloudrl.trainer.inputs.user_files import load_environment
 from cloudrl.trainer.rollout.engines import Completion, SamplingSettings
 from cloudrl.trainer.rollout.environment import ENV_REWARD, EpisodeLimits, EpisodeLoop
@@ -171,15 +171,8 @@ def test_the_policy_learns_to_call_the_calculator(ray_local, tmp_path):
 
     paths = write_task(tmp_path / "task", size=1000, val_size=1, seed=SEED)
     exclude = set(make_problems(1001, SEED))
-    model = warm_up_model(
-        tmp_path / "model",
-        exclude,
-        steps=WARMUP_STEPS,
-        batch_size=WARMUP_BATCH,
-        lr=WARMUP_LR,
-        read_weight=READ_WEIGHT,
-        seed=SEED,
-    )
+    schedule = WarmUp(steps=WARMUP_STEPS, lr=WARMUP_LR, seed=SEED, batch_size=WARMUP_BATCH)
+    model = warm_up_model(tmp_path / "model", exclude, schedule, read_weight=READ_WEIGHT)
     overrides = {
         "model.path": model,
         "data.train_files": paths["prompts"],

@@ -58,7 +58,10 @@ def test_the_demo_says_what_it_does_and_its_summary_names_paths_that_exist(tmp_p
 
 def test_the_warm_up_reports_every_step(tmp_path):
     from cloudrl.trainer.agents.search_task import warm_up_model
+    from cloudrl.trainer.inputs.demo import WarmUp
 
     seen = []
-    warm_up_model(tmp_path / "m", steps=3, batch_size=2, progress=lambda step, loss: seen.append((step, loss)))
+    warm_up_model(
+        tmp_path / "m", schedule=WarmUp(steps=3, batch_size=2), progress=lambda step, loss: seen.append((step, loss))
+    )
     assert [step for step, _ in seen] == [1, 2, 3] and all(loss > 0 for _, loss in seen)

@@ -18,6 +18,7 @@ from cloudrl.trainer.agents.search_task import (
 )
 from cloudrl.trainer.config import load_config
 from cloudrl.trainer.errors import ConfigError
+from cloudrl.trainer.inputs.demo import WarmUp
 from cloudrl.trainer.inputs.rewards import answer_em, resolve_reward_fn
 from runs import serving_retriever, step_metrics, tiny_overrides
 
@@ -117,7 +118,7 @@ def test_the_policy_learns_to_search(ray_local, tmp_path):
 
     paths = write_task(tmp_path / "task", size=1000, val_size=32, seed=SEED)
     facts = make_facts(1032, SEED)
-    model = warm_up_model(tmp_path / "model", {name for name, _ in facts}, steps=WARMUP_STEPS, seed=SEED)
+    model = warm_up_model(tmp_path / "model", {name for name, _ in facts}, WarmUp(steps=WARMUP_STEPS, seed=SEED))
     with serving_retriever(paths["corpus"], tmp_path / "index", topk=1) as url:
         overrides = tiny_overrides(tmp_path / "run") + rl_overrides(paths["prompts"], paths["val"], url, model)
         train(

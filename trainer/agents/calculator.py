@@ -17,7 +17,7 @@ two-layer model learns in a short warm-up.
 `warm_up_model` teaches the format on made-up problems (none of the task's): copying the prompt's expression
 into a call, and writing the number in the tool's response as the answer. It also teaches, on other rows,
 answering at once with a random four-digit number, and it teaches the choice between the two (the first
-token: `<` or a digit) at `tool_share` (0.2 by default). So the warmed-up model calls the tool in about one
+token: `<` or a digit) at the schedule's `share` (0.2 by default). So the warmed-up model calls the tool in about one
 sample in five and guesses in the others; no row ever shows a task problem's answer. RL then has to
 discover that calling pays: the reward and the calls per sample rise together.
 
@@ -37,6 +37,15 @@ from pathlib import Path
 
 import torch
 
+from ..inputs.demo import (
+    DEFAULT_WARM_UP,
+    WarmUp,
+    build_char_tokenizer,
+    choice_keep,
+    greedy,
+    warm_up_batch,
+    warm_up_tiny_model,
+)
 from ..rollout.tool_calls import CALL_CLOSE, CALL_OPEN, ToolEnvironment, tool_response, tool_schema
 
 A_RANGE, B_RANGE, C_RANGE = (32, 99), (32, 99), (100, 198)
@@ -255,50 +264,39 @@ def warm_up_rows(
     """One warm-up batch of fresh problems (none in `exclude`). A `tool_rows` share of the rows call the
     tool; the others answer at once. The choice is learned on every direct row and on just enough tool
     rows that the model calls with probability `tool_share` (with `tool_rows` 1 it is not learned)."""
-    # labelled calls per labelled direct answer must be share / (1 - share)
-    keep = min(1.0, tool_share / (1 - tool_share) * (1 - tool_rows) / tool_rows) if tool_rows < 1 else 0.0
-    rows = []
-    for _ in range(batch_size):
-        expression = make_problem(rng)
-        while expression in exclude:
-            expression = make_problem(rng)
-        use_tool = rng.random() < tool_rows
+    keep = choice_keep(tool_share, tool_rows)
+
+    def example(expression: str, use_tool: bool) -> tuple[list[int], list[int], list[float]]:
         learn_choice = not use_tool or rng.random() < keep
-        rows.append(warm_up_example(tok, expression, use_tool, rng, learn_choice, read_weight))
-    return rows
+        return warm_up_example(tok, expression, use_tool, rng, learn_choice, read_weight)
+
+    return warm_up_batch(rng, batch_size, tool_rows, make_problem, exclude, example)
 
 
 def warm_up_model(
     out: Path,
     exclude: set[str] = frozenset(),
-    steps: int = 300,
-    lr: float = 2e-3,
-    tool_share: float = 0.2,
-    seed: int = 0,
-    batch_size: int = 32,
-    tool_first: float = 2 / 3,
+    schedule: WarmUp = DEFAULT_WARM_UP,
     read_weight: float = 1.0,
     progress: Callable[[int, float], None] | None = None,
 ) -> str:
     """Save the tiny model after a format warm-up on made-up problems (none in `exclude`: pass the task's)
     into `out`; returns its path. `progress(step, loss)` is called after every step (1-based).
 
-    Two phases. In the first (`tool_first` of the steps) every row calls the tool, and copying and reading
-    are learned without rows that write random numbers pulling the answer digits towards uniform. The
-    second mixes in the direct answers and teaches the choice at `tool_share`, with the learning rate
-    falling to a tenth so that the choice ends near that share. `read_weight` weighs the loss of the answer
+    In the first phase of `schedule` every row calls the tool, and copying and reading are learned without
+    rows that write random numbers pulling the answer digits towards uniform; the second mixes in the
+    direct answers and teaches the choice at `schedule.share`. `read_weight` weighs the loss of the answer
     read out of the response: a short warm-up learns both copies with it at 2 (220 steps of 16 rows at lr
     2.5e-3: right calls and reads 1.00 on held-out problems), where without it one of them had often not
     formed (at 3 and more, the call's copy had not)."""
-    from ..inputs.demo import build_char_tokenizer, warm_up_tiny_model
-
     tok = build_char_tokenizer()
-    rng = random.Random(f"calculator warm-up {seed}")
+    rng = random.Random(f"calculator warm-up {schedule.seed}")
 
     def rows_at(tools_only: bool) -> list:
-        return warm_up_rows(tok, rng, batch_size, tool_share, exclude, 1.0 if tools_only else 0.5, read_weight)
+        rows_share = 1.0 if tools_only else 0.5
+        return warm_up_rows(tok, rng, schedule.batch_size, schedule.share, exclude, rows_share, read_weight)
 
-    return warm_up_tiny_model(tok, rows_at, steps, lr, int(steps * tool_first), out, seed, progress)
+    return warm_up_tiny_model(tok, rows_at, schedule, out, progress)
 
 
 def warm_up_report(path: str, problems: list[str]) -> dict[str, float]:
@@ -306,8 +304,6 @@ def warm_up_report(path: str, problems: list[str]) -> dict[str, float]:
     `expression=<` that are the right call; `read`, the share of greedy answers after the right call and
     response that are the result; `p_tool`, its mean probability of calling rather than answering at once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..inputs.demo import greedy
 
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     wrap = CalculatorEnvironment().wrap
@@ -363,14 +359,8 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
                 f"calculator: warm-up step {step}/{args.warmup_steps}, loss {loss:.3f}, {time.perf_counter() - t0:.0f}s"
             )
 
-    model = warm_up_model(
-        out / "model",
-        set(problems),
-        steps=args.warmup_steps,
-        tool_share=args.tool_share,
-        seed=args.seed,
-        progress=progress,
-    )
+    schedule = WarmUp(steps=args.warmup_steps, share=args.tool_share, seed=args.seed)
+    model = warm_up_model(out / "model", set(problems), schedule, progress=progress)
     report = warm_up_report(model, problems[args.size :])
     print(
         f"calculator: the warmed-up model on {args.val_size} problems it never saw: right calls "

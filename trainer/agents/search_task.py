@@ -24,6 +24,15 @@ from pathlib import Path
 
 import torch
 
+from ..inputs.demo import (
+    DEFAULT_WARM_UP,
+    WarmUp,
+    build_char_tokenizer,
+    choice_keep,
+    greedy,
+    warm_up_batch,
+    warm_up_tiny_model,
+)
 from ..rollout.multiturn import (
     ANSWER_CLOSE,
     ANSWER_OPEN,
@@ -106,48 +115,35 @@ def warm_up_rows(
     (copying and reading are learned on those), the others answer at once. The choice to search is
     learned on every direct row and on just enough search rows that the model searches with
     probability `search_share` (at most `search_rows`); with `search_rows` 1 it is not learned."""
-    # labelled search choices per labelled direct choice must be share / (1 - share)
-    keep = min(1.0, search_share / (1 - search_share) * (1 - search_rows) / search_rows) if search_rows < 1 else 0.0
-    rows = []
-    for _ in range(batch_size):
-        name = make_name(rng)
-        while name in exclude:
-            name = make_name(rng)
-        search = rng.random() < search_rows
-        rows.append(_example(tok, name, rng.randrange(10), search, rng, learn_choice=not search or rng.random() < keep))
-    return rows
+    keep = choice_keep(search_share, search_rows)
+
+    def example(name: str, search: bool) -> tuple[list[int], list[int]]:
+        return _example(tok, name, rng.randrange(10), search, rng, learn_choice=not search or rng.random() < keep)
+
+    return warm_up_batch(rng, batch_size, search_rows, make_name, exclude, example)
 
 
 def warm_up_model(
     out: Path,
     exclude: set[str] = frozenset(),
-    steps: int = 300,
-    lr: float = 2e-3,
-    search_share: float = 0.2,
-    seed: int = 0,
-    batch_size: int = 32,
-    read_first: float = 2 / 3,
+    schedule: WarmUp = DEFAULT_WARM_UP,
     progress: Callable[[int, float], None] | None = None,
 ) -> str:
     """Save the tiny model after a format warm-up on made-up names (none in `exclude`: pass the task's)
     into `out`; returns its path. `progress(step, loss)` is called after every step (1-based).
 
-    Two phases. In the first (`read_first` of the steps) every row searches: reading a code out of the
-    observation is learned only while no row teaches "answer a random digit", which pulls every answer
-    towards uniform. The second mixes in the rows that answer at once and teaches the choice to search
-    (at `search_share`), with a learning rate falling to a tenth, so the model ends with its choice
-    near that share rather than wherever the last batches pushed it. (At lr 5e-3 the reading had often
-    not formed after 200 steps; at 2e-3 it formed within 150 for seeds 1-3.)"""
-    from ..inputs.demo import build_char_tokenizer, warm_up_tiny_model
-
+    In the first phase of `schedule` every row searches: reading a code out of the observation is learned
+    only while no row teaches "answer a random digit", which pulls every answer towards uniform. The second
+    mixes in the rows that answer at once and teaches the choice to search at `schedule.share`. (At lr 5e-3
+    the reading had often not formed after 200 steps; at 2e-3 it formed within 150 for seeds 1-3.)"""
     tok = build_char_tokenizer()
-    rng = random.Random(f"warm-up {seed}")
+    rng = random.Random(f"warm-up {schedule.seed}")
 
     def rows_at(reading: bool) -> list:
-        rows = warm_up_rows(tok, rng, batch_size, search_share, exclude, 1.0 if reading else 0.5)
+        rows = warm_up_rows(tok, rng, schedule.batch_size, schedule.share, exclude, 1.0 if reading else 0.5)
         return [(ids, labels, [1.0] * len(ids)) for ids, labels in rows]
 
-    return warm_up_tiny_model(tok, rows_at, steps, lr, int(steps * read_first), out, seed, progress)
+    return warm_up_tiny_model(tok, rows_at, schedule, out, progress)
 
 
 def rl_overrides(prompts: Path, val: Path, url: str, model: str) -> list[str]:
@@ -179,8 +175,6 @@ def warm_up_report(path: str, facts: list[tuple[str, int]]) -> dict[str, float]:
     `name?<search>` that are the name; `read`, the share of greedy answers after the right observation
     that are the code; `p_search`, its mean probability of searching rather than answering at once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..inputs.demo import greedy
 
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     names = [n for n, _ in facts]

@@ -21,6 +21,7 @@ import os
 import random
 import string
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -181,25 +182,70 @@ WarmUpRow = tuple[list[int], list[int], list[float]]
 a token is context, not a target."""
 
 
+def choice_keep(share: float, tool_rows: float) -> float:
+    """The share of a warm-up's tool rows whose choice to take the tool is labelled, so that the model ends
+    taking it with probability `share` when a `tool_rows` share of the rows take it (labelled tool choices
+    per labelled direct choice must be share / (1 - share)); 0 with `tool_rows` 1: the choice is not learned."""
+    return min(1.0, share / (1 - share) * (1 - tool_rows) / tool_rows) if tool_rows < 1 else 0.0
+
+
+def warm_up_batch(
+    rng: random.Random,
+    batch_size: int,
+    tool_rows: float,
+    fresh: Callable[[random.Random], str],
+    exclude: set[str],
+    example: Callable[[str, bool], tuple],
+) -> list[tuple]:
+    """One warm-up batch of the built-in tool and search tasks: `batch_size` rows, each on a fresh item
+    (`fresh(rng)`, never one in `exclude`: the task's own) that takes the tool with probability `tool_rows`;
+    `example(item, takes_tool)` makes the row."""
+    rows = []
+    for _ in range(batch_size):
+        item = fresh(rng)
+        while item in exclude:
+            item = fresh(rng)
+        rows.append(example(item, rng.random() < tool_rows))
+    return rows
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """The format warm-up of a built-in tool or search task (`warm_up_tiny_model`): `steps` steps of
+    `batch_size` fresh rows at `lr`, the tiny model initialised from `seed`. In the first `first` share of
+    the steps every row takes the tool, so copying into the call and reading out of its answer are learned
+    without rows that answer at once pulling the answer towards uniform; the second mixes those rows in and
+    teaches the choice to take the tool at `share`, with the learning rate falling to a tenth so that the
+    choice ends near that share."""
+
+    steps: int = 300
+    lr: float = 2e-3
+    share: float = 0.2
+    seed: int = 0
+    batch_size: int = 32
+    first: float = 2 / 3
+
+
+DEFAULT_WARM_UP = WarmUp()
+
+
 def warm_up_tiny_model(
     tokenizer,
     rows_at: Callable[[bool], list[WarmUpRow]],
-    steps: int,
-    lr: float,
-    first_steps: int,
+    schedule: WarmUp,
     out,
-    seed: int = 0,
     progress: Callable[[int, float], None] | None = None,
 ) -> str:
-    """The built-in tiny model (initialised from `seed`) after `train_in_two_phases` on the rows
-    `rows_at(first_phase)` gives each step, saved into `out`: the warm-up of the built-in tool and search
-    tasks. Returns its path."""
-    model = build_tiny_model(tokenizer, seed)
+    """The built-in tiny model after `train_in_two_phases` on the rows `rows_at(first_phase)` gives each
+    step, as `schedule` says, saved into `out`: the warm-up of the built-in tool and search tasks. Returns
+    its path."""
+    model = build_tiny_model(tokenizer, schedule.seed)
 
     def loss_at(step: int, first_phase: bool) -> torch.Tensor:
         return weighted_loss(model, padded_batch(tokenizer, rows_at(first_phase)))
 
-    return train_in_two_phases(model, tokenizer, loss_at, steps, lr, first_steps, out, progress)
+    first_steps = int(schedule.steps * schedule.first)
+    return train_in_two_phases(model, tokenizer, loss_at, schedule.steps, schedule.lr, first_steps, out, progress)
 
 
 def padded_batch(tokenizer, rows: list[WarmUpRow]) -> dict[str, torch.Tensor]:
