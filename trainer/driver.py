@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -327,31 +328,42 @@ class Trainer:
 
     def logprobs_and_values(self, batch: Batch, timer: Timer) -> None:
         """Fill `batch` with the log-probs of the policy before the update (unless the update's own
-        forward pass gives them, `on_policy`), the reference's, and the critic's values."""
+        forward pass gives them, `on_policy`), the reference's, and the critic's values. The critic's
+        forward passes run beside the actor's (`timing/ref` is the wait for the actor's and the
+        reference's, `timing/values` what is left of the critic's after them), except where the critic
+        shares the actor's GPUs (placement.colocate_all): there they start once the actor's are in."""
         cfg = self.cfg
         roles = self.roles
         model_inputs = batch.only("input_ids", "attention_mask", "response_mask")
 
-        def on_every_rank(group, method: str) -> torch.Tensor:
+        def send(group, method: str) -> Callable[[], torch.Tensor]:
+            """Every rank's `method` on its shard, sent now; returns what collects them."""
             parts = split_batch(model_inputs, group.world_size)
             sent = [(w, label, part) for w, label, part in zip(group.workers, group.labels(), parts) if part.size]
             calls = [getattr(w, method).remote(part) for w, _, part in sent]
+            labels = [label for _, label, _ in sent]
             what = f"step {self.global_step}: the {group.name}'s {method}"
-            return torch.cat(WATCH.wait(f"{group.name} {method}", calls, [label for _, label, _ in sent], what))
+            started = time.monotonic()
+            return lambda: torch.cat(WATCH.wait(f"{group.name} {method}", calls, labels, what, started=started))
 
+        shares_gpus = cfg.placement.colocate_all and cfg.actor.gpus_per_node > 0
+        values = send(roles.critic, "values") if cfg.uses_critic and not shares_gpus else None
         checks_gap = not self.gap_checked and "engine_logprobs" in batch
         with timer("ref"):
-            if not self.on_policy() or checks_gap:
-                old_logprobs = on_every_rank(roles.actor, "logprobs")
+            old = send(roles.actor, "logprobs") if not self.on_policy() or checks_gap else None
+            reference = roles.reference or roles.actor  # the reference lives in the actor by default
+            ref = send(reference, "ref_logprobs") if cfg.uses_reference else None
+            if old is not None:
+                old_logprobs = old()
                 if checks_gap:
                     self.check_gap(batch, old_logprobs)
                 if not self.on_policy():  # on-policy, the update's own forward pass gives them
                     batch["old_logprobs"] = old_logprobs
-            if cfg.uses_reference:  # the reference lives in the actor by default
-                batch["ref_logprobs"] = on_every_rank(roles.reference or roles.actor, "ref_logprobs")
+            if ref is not None:
+                batch["ref_logprobs"] = ref()
         with timer("values"):
             if cfg.uses_critic:
-                batch["values"] = on_every_rank(roles.critic, "values")
+                batch["values"] = (values or send(roles.critic, "values"))()
 
     def check_gap(self, batch: Batch, old_logprobs: torch.Tensor) -> None:
         """trainer.gap_check, once per start, on the first step's samples before anything trains: the
