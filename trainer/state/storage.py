@@ -160,10 +160,10 @@ def downloads_checkpoint(cfg) -> bool:
 
 
 def fetch_checkpoint(cfg) -> None:
-    """Before the run's checks: with trainer.checkpoint_uri, check it answers; for resume=auto bring its
-    newest complete copy of this run into run_dir when the local ones are older; for resume=never refuse
-    a URI that already holds another run's copies; `trainer.resume=<url of a copy>` downloads that copy
-    and resumes from it."""
+    """Once the cluster is known to fit, before the resume point is decided from what it brought (job.py):
+    with trainer.checkpoint_uri, check it answers; for resume=auto bring its newest complete copy of this
+    run into run_dir when the local ones are older; for resume=never refuse a URI that already holds
+    another run's copies; `trainer.resume=<url of a copy>` downloads that copy and resumes from it."""
     from .run_dir import under_runs_dir
 
     uri = cfg.trainer.checkpoint_uri
