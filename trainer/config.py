@@ -531,6 +531,12 @@ class Config:
         return self.algorithm.name == "ppo"
 
     @property
+    def critic_after_actor(self) -> bool:
+        """The critic computes on the actor's GPUs (placement.colocate_all on GPUs): its forward passes and its
+        update run after the actor's, so each GPU holds one role's activations at a time."""
+        return self.uses_critic and self.placement.colocate_all and self.actor.gpus_per_node > 0
+
+    @property
     def uses_groups(self) -> bool:
         """The advantage estimator compares the `rollout.n` samples of each prompt."""
         return self.algorithm.name in GROUP_ALGORITHMS

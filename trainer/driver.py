@@ -346,8 +346,7 @@ class Trainer:
             started = time.monotonic()
             return lambda: torch.cat(WATCH.wait(f"{group.name} {method}", calls, labels, what, started=started))
 
-        shares_gpus = cfg.placement.colocate_all and cfg.actor.gpus_per_node > 0
-        values = send(roles.critic, "values") if cfg.uses_critic and not shares_gpus else None
+        values = send(roles.critic, "values") if cfg.uses_critic and not cfg.critic_after_actor else None
         checks_gap = not self.gap_checked and "engine_logprobs" in batch
         with timer("ref"):
             old = send(roles.actor, "logprobs") if not self.on_policy() or checks_gap else None
@@ -392,7 +391,7 @@ class Trainer:
             critic_batch = batch.only("input_ids", "attention_mask", "response_mask", "values", "returns")
             shards, norms = update_shards(critic_batch, roles.critic.world_size, cfg.critic, self.update_seed)
             critic_refs = [w.update.remote(shard, norms) for w, shard in zip(roles.critic.workers, shards)]
-            if cfg.placement.colocate_all and cfg.actor.gpus_per_node > 0:  # a failure raises when collected
+            if cfg.critic_after_actor:  # a failure raises when collected
                 ray.wait(critic_refs, num_returns=len(critic_refs), timeout=cfg.trainer.worker_timeout_s)
         actor_keys = ["input_ids", "attention_mask", "response_mask", "advantages"]
         actor_keys += [k for k in ("old_logprobs", "ref_logprobs", "is_weights", "engine_logprobs") if k in batch]

@@ -163,12 +163,11 @@ def fetch_checkpoint(cfg) -> None:
     """Once the cluster is known to fit, before the resume point is decided from what it brought (job.py):
     with trainer.checkpoint_uri, check it answers; for resume=auto bring its newest complete copy of this
     run into run_dir when the local ones are older; for resume=never refuse a URI that already holds
-    another run's copies; `trainer.resume=<url of a copy>` downloads that copy and resumes from it."""
-    from .run_dir import under_runs_dir
-
+    another run's copies; `trainer.resume=<url of a copy>` downloads that copy and resumes from it. run_dir is
+    where resume.place_run_dir put it."""
     uri = cfg.trainer.checkpoint_uri
     resume = cfg.trainer.resume
-    run_dir = under_runs_dir(cfg.trainer.run_dir)
+    run_dir = cfg.trainer.run_dir
     timeline.forget(run_dir)
     if uri:
         check(uri)
